@@ -1,0 +1,356 @@
+"""Configuration of the DSpark draft and of the reference Qwen3 target.
+
+Both configs are frozen, keyword-only dataclasses that validate themselves in
+``__post_init__``; every bad value raises a ``ValueError`` naming the field, the
+value and what is allowed.
+
+Conventions (see ``DSPARK_SPEC.md`` §1–2):
+
+* ``block_size`` is γ, the number of draft tokens proposed per round.
+* ``sample_from_anchor=True`` (DeepSpec, default): γ query rows
+  ``[bonus, MASK × (γ−1)]``; slot ``k`` predicts the token at ``anchor + k + 1``.
+* ``sample_from_anchor=False`` (DFlash / speculators): γ+1 query rows
+  ``[bonus, MASK × γ]``; the anchor row's output is dropped.
+* ``target_layer_ids`` use the DeepSpec convention: id ``i`` is the output of target
+  decoder layer ``i`` (HF ``hidden_states[i + 1]``), ``-1`` the embedding output.
+  Speculators exports store ``i + 1``; :meth:`DraftConfig.from_hf_config` shifts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(name, value, "must be an integer >= 1")
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value not in DTYPES:
+        _fail(name, value, f"must be one of {sorted(DTYPES)}")
+
+
+def _check_common(cfg: Any) -> None:
+    """Checks the fields a Qwen3-style transformer config shares."""
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        _check_positive_int(name, getattr(cfg, name))
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        _fail(
+            "num_key_value_heads",
+            cfg.num_key_value_heads,
+            f"must divide num_attention_heads={cfg.num_attention_heads}",
+        )
+    if cfg.head_dim % 2:
+        _fail("head_dim", cfg.head_dim, "must be even (rotary embedding pairs halves)")
+    if not (isinstance(cfg.rms_norm_eps, (int, float)) and cfg.rms_norm_eps > 0):
+        _fail("rms_norm_eps", cfg.rms_norm_eps, "must be a number > 0")
+    if not (isinstance(cfg.rope_theta, (int, float)) and cfg.rope_theta > 0):
+        _fail("rope_theta", cfg.rope_theta, "must be a number > 0")
+    _check_dtype("dtype", cfg.dtype)
+    _check_dtype("param_dtype", cfg.param_dtype)
+
+
+# HF Qwen3 fields read by both configs, with their defaults.
+_TRANSFORMER_FIELDS = {
+    "hidden_size": None,
+    "intermediate_size": None,
+    "num_hidden_layers": None,
+    "num_attention_heads": None,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "vocab_size": None,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "attention_bias": False,
+    "max_position_embeddings": 40960,
+}
+
+
+def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    out = {}
+    for name, default in _TRANSFORMER_FIELDS.items():
+        if name in hf and hf[name] is not None:
+            out[name] = hf[name]
+        elif name == "head_dim" and "hidden_size" in hf and "num_attention_heads" in hf:
+            out[name] = hf["hidden_size"] // hf["num_attention_heads"]
+        elif name == "num_key_value_heads" and "num_attention_heads" in hf:
+            out[name] = hf["num_attention_heads"]
+        elif default is None:
+            raise ValueError(f"{where} is missing the required field {name!r}")
+        else:
+            out[name] = default
+    return out
+
+
+def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"config path {path!r} does not exist: expected a config.json or its folder")
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetConfig:
+    """A dense Qwen3 target (Hugging Face ``Qwen3ForCausalLM`` fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> TargetConfig:
+        """Builds the config from a Hugging Face Qwen3 ``config.json`` dict."""
+        if not isinstance(hf, dict):
+            raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
+        kwargs = _transformer_kwargs(hf, "target config")
+        kwargs["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> TargetConfig:
+        """Reads ``config.json`` from ``path`` (a file or its folder)."""
+        return cls.from_hf_config(_read_json(path), **overrides)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.pop("param_dtype")
+        out["torch_dtype"] = out.pop("dtype")
+        out["model_type"] = "qwen3"
+        out["architectures"] = ["Qwen3ForCausalLM"]
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """The DSpark draft: a DFlash-style backbone plus Markov and confidence heads.
+
+    ``hidden_size`` equals the target's (the draft borrows its embedding and lm_head).
+    ``num_target_layers`` is the depth of the target the draft was trained for, or
+    ``None`` when the checkpoint does not say (then it is checked on attaching a target).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    block_size: int = 7
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    sample_from_anchor: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        _check_positive_int("block_size", self.block_size)
+        if (
+            isinstance(self.mask_token_id, bool)
+            or not isinstance(self.mask_token_id, int)
+            or not 0 <= self.mask_token_id < self.vocab_size
+        ):
+            _fail(
+                "mask_token_id",
+                self.mask_token_id,
+                f"must be a token id inside the embedding, 0 <= id < vocab_size={self.vocab_size}",
+            )
+        ids = self.target_layer_ids
+        if not isinstance(ids, tuple):
+            # Frozen: normalise a list to a tuple so the config stays hashable.
+            object.__setattr__(self, "target_layer_ids", tuple(ids))
+            ids = self.target_layer_ids
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            _fail("target_layer_ids", ids, "must be a non-empty sequence of integers")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            _fail("target_layer_ids", ids, "must be strictly increasing")
+        if ids[0] < -1:
+            _fail("target_layer_ids", ids, "must be >= -1 (-1 is the embedding output)")
+        if self.num_target_layers is not None:
+            _check_positive_int("num_target_layers", self.num_target_layers)
+            if ids[-1] >= self.num_target_layers:
+                _fail(
+                    "target_layer_ids",
+                    ids,
+                    f"must lie inside the target's depth, -1 <= id < num_target_layers={self.num_target_layers}",
+                )
+        if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            _fail("markov_rank", self.markov_rank, "must be an integer >= 0 (0 = DFlash-style, no Markov head)")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            _fail("markov_head_type", self.markov_head_type, f"must be one of {MARKOV_HEAD_TYPES}")
+        if self.confidence_head_with_markov and not self.enable_confidence_head:
+            _fail("confidence_head_with_markov", True, "needs enable_confidence_head=True")
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            _fail("confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def gamma(self) -> int:
+        """γ: draft tokens per round."""
+        return self.block_size
+
+    @property
+    def num_query_rows(self) -> int:
+        """Rows the backbone runs per block: γ, or γ+1 with the anchor row dropped."""
+        return self.block_size + (0 if self.sample_from_anchor else 1)
+
+    @property
+    def num_fused_layers(self) -> int:
+        """K: target layers concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+    @property
+    def has_markov_head(self) -> bool:
+        return self.markov_rank > 0
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    # -------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> DraftConfig:
+        """Builds the config from a DeepSpec, DFlash or speculators ``config.json`` dict.
+
+        Args:
+          hf: the parsed ``config.json``.
+          **overrides: fields to set regardless of the file (``dtype`` for example).
+        """
+        if not isinstance(hf, dict):
+            raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
+        if "speculators_model_type" in hf:
+            kwargs = _speculators_kwargs(hf)
+        else:
+            kwargs = _transformer_kwargs(hf, "draft config")
+            nested = hf.get("dflash_config") or {}
+            for name in ("block_size", "mask_token_id", "target_layer_ids"):
+                if name in hf:
+                    kwargs[name] = hf[name]
+                elif name in nested:
+                    kwargs[name] = nested[name]
+            for name in (
+                "num_target_layers",
+                "markov_rank",
+                "markov_head_type",
+                "enable_confidence_head",
+                "confidence_head_with_markov",
+                "sample_from_anchor",
+            ):
+                if name in hf:
+                    kwargs[name] = hf[name]
+            if "markov_rank" not in hf:
+                # A DFlash checkpoint without Markov fields has no Markov head.
+                kwargs["markov_rank"] = 0
+        for name in ("mask_token_id", "target_layer_ids"):
+            if name not in kwargs and name not in overrides:
+                raise ValueError(f"draft config is missing the required field {name!r}")
+        if "target_layer_ids" in kwargs:
+            kwargs["target_layer_ids"] = tuple(kwargs["target_layer_ids"])
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> DraftConfig:
+        """Reads ``config.json`` from ``path`` (a file, or the checkpoint folder)."""
+        return cls.from_hf_config(_read_json(path), **overrides)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The DeepSpec ``config.json`` form (read back by :meth:`from_hf_config`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        out.pop("param_dtype")
+        out["torch_dtype"] = out.pop("dtype")
+        out["model_type"] = "qwen3"
+        out["architectures"] = ["DSparkDraftModel"]
+        return out
+
+
+def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """Reads the speculators export form (nested transformer config, shifted layer ids)."""
+    layer_cfg = hf.get("transformer_layer_config")
+    if not isinstance(layer_cfg, dict):
+        raise ValueError(
+            "speculators config needs a 'transformer_layer_config' dict, "
+            f"got {type(layer_cfg).__name__}"
+        )
+    kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
+    for name in ("block_size", "mask_token_id", "sample_from_anchor", "num_target_layers"):
+        if name in hf:
+            kwargs[name] = hf[name]
+    if "aux_hidden_state_layer_ids" in hf:
+        # Speculators count HF hidden_states (0 = embeddings); DeepSpec counts layers.
+        kwargs["target_layer_ids"] = tuple(int(i) - 1 for i in hf["aux_hidden_state_layer_ids"])
+    for name in (
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+    ):
+        if name in hf:
+            kwargs[name] = hf[name]
+    kwargs.setdefault("markov_rank", 0)
+    # Speculators exports default to the DFlash slot layout.
+    kwargs.setdefault("sample_from_anchor", False)
+    return kwargs

@@ -1,0 +1,221 @@
+"""The DSpark draft model (Flax NNX).
+
+Shape legend: B batch, R query rows (γ or γ+1), γ draft slots, C context capacity,
+N context tokens, K fused target layers, H hidden, V vocabulary, L draft layers,
+KVH key/value heads, D head dim, r Markov rank.
+
+The draft borrows ``embed_tokens [V, H]`` and ``lm_head [V, H]`` from the target; they
+are held as :class:`Borrowed` variables so training filters them out and a target
+that shares them keeps one copy in memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import DraftConfig
+from dspark_jax.layers import DecoderLayer, RMSNorm
+from dspark_jax.markov import MarkovHead, make_markov_head
+
+
+class Borrowed(nnx.Variable):
+    """A tensor the draft uses but does not own or train (target embedding / lm_head)."""
+
+
+class Calibration(nnx.Variable):
+    """A fitted, non-trained constant (the STS confidence temperature)."""
+
+
+class ConfidenceHead(nnx.Module):
+    """``sigmoid(proj([h ; markov_w1[prev]]) / sts_temperature)``, float32 parameters."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs):
+        din = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+        self.proj = nnx.Linear(
+            din,
+            1,
+            use_bias=True,
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.sts_temperature = Calibration(jnp.ones((cfg.gamma,), jnp.float32))
+        self.with_markov = cfg.confidence_head_with_markov
+
+    def logits(self, hidden: jax.Array, prev_embed: jax.Array | None) -> jax.Array:
+        """Raw scores ``[B, γ]`` (before the temperature and the sigmoid)."""
+        x = hidden.astype(jnp.float32)
+        if self.with_markov:
+            x = jnp.concatenate([x, prev_embed.astype(jnp.float32)], axis=-1)
+        return self.proj(x)[..., 0]
+
+    def __call__(self, hidden: jax.Array, prev_embed: jax.Array | None) -> jax.Array:
+        """Acceptance probability per slot.
+
+        Args:
+          hidden: ``[B, γ, H]``.
+          prev_embed: ``[B, γ, r]`` ``markov_w1`` rows of each slot's previous token
+            (only read when the head takes the Markov input).
+
+        Returns:
+          ``[B, γ]`` float32 in ``[0, 1]``.
+        """
+        return jax.nn.sigmoid(self.logits(hidden, prev_embed) / self.sts_temperature.value)
+
+
+class DSparkDraft(nnx.Module):
+    """DFlash-style block drafter with a Markov head and an optional confidence head."""
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        *,
+        rngs: nnx.Rngs,
+        embed_tokens: jax.Array | None = None,
+        lm_head: jax.Array | None = None,
+    ):
+        """Builds the draft.
+
+        Args:
+          cfg: the draft config.
+          rngs: initialisation keys.
+          embed_tokens: the target's ``[V', H]`` embedding (``V' >= vocab_size``); a random
+            one when omitted (tests, fresh training runs with a random target).
+          lm_head: the target's ``[V', H]`` output projection; ``embed_tokens`` (tied)
+            when omitted.
+        """
+        self.cfg = cfg
+        h = cfg.hidden_size
+        if embed_tokens is None:
+            embed_tokens = nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, h), cfg.jnp_param_dtype)
+        if lm_head is None:
+            lm_head = embed_tokens
+        for name, table in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if table.ndim != 2 or table.shape[1] != h or table.shape[0] < cfg.vocab_size:
+                raise ValueError(
+                    f"{name} has shape {tuple(table.shape)}: expected [V, {h}] with "
+                    f"V >= vocab_size={cfg.vocab_size}"
+                )
+        self.embed_tokens = Borrowed(embed_tokens)
+        self.lm_head = Borrowed(lm_head)
+        self.fc = nnx.Linear(
+            cfg.num_fused_layers * h,
+            h,
+            use_bias=False,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_param_dtype,
+            kernel_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.hidden_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.markov_head: MarkovHead | None = make_markov_head(cfg, rngs=rngs)
+        self.confidence_head = ConfidenceHead(cfg, rngs=rngs) if cfg.enable_confidence_head else None
+
+    # ------------------------------------------------------------------ inputs
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """In-graph lookup in the borrowed target embedding: ``[B, S]`` → ``[B, S, H]``."""
+        return jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(self.cfg.jnp_dtype)
+
+    def block_ids(self, bonus: jax.Array) -> jax.Array:
+        """``[B]`` bonus tokens → ``[B, R]`` block ids ``[bonus, MASK, …]``."""
+        masks = jnp.full((bonus.shape[0], self.cfg.num_query_rows - 1), self.cfg.mask_token_id, jnp.int32)
+        return jnp.concatenate([bonus.astype(jnp.int32)[:, None], masks], axis=1)
+
+    def block_positions(self, prefix_lens: jax.Array) -> jax.Array:
+        """``[B]`` → ``[B, R]`` positions ``prefix_len + 0..R−1``."""
+        return prefix_lens.astype(jnp.int32)[:, None] + jnp.arange(self.cfg.num_query_rows, dtype=jnp.int32)
+
+    # ----------------------------------------------------------------- context
+    def fuse_context(self, features: jax.Array) -> jax.Array:
+        """``hidden_norm(fc(x))``: ``[B, N, K·H]`` target features → ``[B, N, H]``."""
+        return self.hidden_norm(self.fc(features.astype(self.cfg.jnp_dtype)))
+
+    def context_kv(self, features: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-layer context keys and values of fused target features.
+
+        Args:
+          features: ``[B, N, K·H]``.
+          positions: ``[B, N]`` absolute positions of those tokens.
+
+        Returns:
+          ``(k, v)``, each ``[L, B, N, KVH, D]``.
+        """
+        ctx = self.fuse_context(features)
+        ks, vs = zip(*(layer.self_attn.key_value(ctx, positions) for layer in self.layers))
+        return jnp.stack(ks), jnp.stack(vs)
+
+    # ----------------------------------------------------------------- forward
+    def __call__(
+        self,
+        input_ids: jax.Array | None = None,
+        *,
+        positions: jax.Array,
+        ctx_k: jax.Array,
+        ctx_v: jax.Array,
+        ctx_mask: jax.Array,
+        input_embeds: jax.Array | None = None,
+    ) -> jax.Array:
+        """Runs the backbone over one block.
+
+        Args:
+          input_ids: ``[B, R]`` block token ids, embedded in-graph.
+          positions: ``[B, R]``.
+          ctx_k, ctx_v: ``[L, B, C, KVH, D]`` context keys/values.
+          ctx_mask: ``[B, C]`` True for context positions the block may see.
+          input_embeds: ``[B, R, H]``; used instead of ``input_ids`` when given.
+
+        Returns:
+          ``[B, R, H]`` hidden states after the final norm.
+        """
+        if input_embeds is not None:
+            x = input_embeds.astype(self.cfg.jnp_dtype)
+        elif input_ids is not None:
+            x = self.embed(input_ids)
+        else:
+            raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
+        rows = x.shape[1]
+        # Non-causal: every block row sees every valid context key and the whole block.
+        mask = jnp.concatenate([ctx_mask, jnp.ones((ctx_mask.shape[0], rows), bool)], axis=1)
+        mask = jnp.broadcast_to(mask[:, None, :], (x.shape[0], rows, mask.shape[1]))  # [B, R, C+R]
+        for i, layer in enumerate(self.layers):
+
+            def kv_fn(k, v, i=i):
+                keys = jnp.concatenate([ctx_k[i].astype(k.dtype), k], axis=1)
+                values = jnp.concatenate([ctx_v[i].astype(v.dtype), v], axis=1)
+                return keys, values, mask
+
+            x = layer(x, positions, kv_fn)
+        return self.norm(x)
+
+    def slots(self, hidden: jax.Array) -> jax.Array:
+        """``[B, R, H]`` → ``[B, γ, H]``: drops the anchor row in the DFlash layout."""
+        return hidden if self.cfg.sample_from_anchor else hidden[:, 1:]
+
+    def base_logits(self, hidden: jax.Array) -> jax.Array:
+        """``[B, γ, H]`` → ``[B, γ, V]`` through the borrowed lm_head, cropped to ``V``."""
+        w = self.lm_head.value[: self.cfg.vocab_size].astype(self.cfg.jnp_dtype)
+        return jnp.einsum("bgh,vh->bgv", hidden.astype(self.cfg.jnp_dtype), w)
+
+    def confidence(self, hidden: jax.Array, prev: jax.Array) -> jax.Array:
+        """``[B, γ, H]``, previous tokens ``[B, γ]`` → acceptance probability ``[B, γ]``."""
+        if self.confidence_head is None:
+            raise ValueError("this draft has no confidence head (enable_confidence_head=False)")
+        prev_embed = self.markov_head.embed_prev(prev) if self.cfg.confidence_head_with_markov else None
+        return self.confidence_head(hidden, prev_embed)
+
+    def corrected_logits(self, hidden: jax.Array, prev: jax.Array) -> jax.Array:
+        """Teacher-forced Markov-corrected logits ``[B, γ, V]`` float32 (training).
+
+        Args:
+          hidden: ``[B, γ, H]`` slot hidden states.
+          prev: ``[B, γ]`` ``[anchor, gold_1 … gold_{γ−1}]``.
+        """
+        base = self.base_logits(hidden).astype(jnp.float32)
+        if self.markov_head is None:
+            return base
+        return base + self.markov_head.block(prev, hidden).astype(jnp.float32)

@@ -1,0 +1,164 @@
+"""Transformer building blocks shared by the draft and the target (Flax NNX).
+
+Shape legend:
+  B  batch             S  query rows          L  key positions
+  H  hidden size       NH query heads         KVH key/value heads
+  D  head dim          G  NH // KVH           I  intermediate size
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight.value.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Neox-style rotary embedding over the whole head dim.
+
+    Args:
+      x: ``[B, S, heads, D]``.
+      positions: ``[B, S]`` integer positions.
+      theta: ``rope_theta``.
+
+    Returns:
+      ``[B, S, heads, D]`` in ``x.dtype``.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [B, S, 1, D/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with a boolean mask; softmax in float32.
+
+    Args:
+      q: ``[B, S, NH, D]``.
+      k, v: ``[B, L, KVH, D]``.
+      mask: ``[B, S, L]``, True where a query may see a key.
+
+    Returns:
+      ``[B, S, NH * D]`` in ``q.dtype``.
+    """
+    b, s, nh, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, nh // kvh, d)  # [B, S, KVH, G, D]
+    scores = jnp.einsum("bskgd,blkd->bkgsl", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A query with no visible key (a padded row) gets zeros, not NaN.
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgsl,blkd->bskgd", probs, v)  # [B, S, KVH, G, D]
+    return out.reshape(b, s, nh * d)
+
+
+def _linear(din: int, dout: int, *, bias: bool, cfg, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=cfg.jnp_dtype,
+        param_dtype=cfg.jnp_param_dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Qwen3 attention projections: q/k/v/o, per-head q/k RMSNorm, RoPE.
+
+    The caller supplies the keys to attend over, so the same module serves the
+    draft (block queries over context plus block keys) and the causal target.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        h, nh, kvh, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = _linear(h, nh * d, bias=bias, cfg=cfg, rngs=rngs)
+        self.k_proj = _linear(h, kvh * d, bias=bias, cfg=cfg, rngs=rngs)
+        self.v_proj = _linear(h, kvh * d, bias=bias, cfg=cfg, rngs=rngs)
+        self.o_proj = _linear(nh * d, h, bias=False, cfg=cfg, rngs=rngs)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, d
+        self.rope_theta = cfg.rope_theta
+
+    def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``[B, S, H]`` → roped, normed queries ``[B, S, NH, D]``."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        return rope(self.q_norm(q), positions, self.rope_theta)
+
+    def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``[B, S, H]`` → roped, normed keys and values, each ``[B, S, KVH, D]``."""
+        b, s, _ = x.shape
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return rope(self.k_norm(k), positions, self.rope_theta), v
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, bias=False, cfg=cfg, rngs=rngs)
+        self.up_proj = _linear(h, i, bias=False, cfg=cfg, rngs=rngs)
+        self.down_proj = _linear(i, h, bias=False, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Qwen3 decoder layer; attention keys are supplied by the caller."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype
+        )
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_fn) -> jax.Array:
+        """Runs the layer.
+
+        Args:
+          x: ``[B, S, H]`` residual stream.
+          positions: ``[B, S]``.
+          kv_fn: ``(k, v) -> (keys [B, L, KVH, D], values [B, L, KVH, D], mask [B, S, L])``:
+            given this layer's own roped keys and values for the ``S`` rows, returns what
+            the queries attend over (the draft prepends context; the target writes its
+            cache and reads it back).
+
+        Returns:
+          ``[B, S, H]``.
+        """
+        a = self.input_layernorm(x)
+        q = self.self_attn.query(a, positions)
+        k, v = self.self_attn.key_value(a, positions)
+        keys, values, mask = kv_fn(k, v)
+        x = x + self.self_attn.o_proj(attend(q, keys, values, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))

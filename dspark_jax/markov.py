@@ -1,0 +1,189 @@
+"""Markov heads: a low-rank bias on each draft slot from the token before it.
+
+Shape legend: B batch, γ draft slots, V vocabulary, H hidden, r Markov rank.
+
+``e = markov_w1[prev]`` (``[V, r]`` table) and ``proj(z) = z @ markov_w2ᵀ``
+(``markov_w2`` is ``[V, r]``) are shared by the three heads:
+
+* ``vanilla``: ``bias = proj(e)``;
+* ``gated``: ``bias = proj(sigmoid(gate_proj([h ; e])) ⊙ e)``;
+* ``rnn``: ``g, c, o = joint_proj([s ; e ; h])``,
+  ``s' = σ(g)·s + (1 − σ(g))·tanh(c)``, ``bias = proj(tanh(o))``; the state carries
+  across the γ steps of a block.
+
+Every head exposes ``step(state, prev, h) -> (state, bias)`` for the sequential walk
+and ``block(prev, h) -> bias`` for teacher-forced training; :func:`markov_walk` runs
+the walk with a caller-supplied token picker under ``jax.lax.scan``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class MarkovHead(nnx.Module):
+    """Base class: the two shared ``[V, r]`` tables and the walk/block plumbing."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        v, r = cfg.vocab_size, cfg.markov_rank
+        init = nnx.initializers.normal(0.02)
+        self.markov_w1 = nnx.Param(init(rngs.params(), (v, r), cfg.jnp_param_dtype))
+        self.markov_w2 = nnx.Param(init(rngs.params(), (v, r), cfg.jnp_param_dtype))
+        self.rank = r
+        self.dtype = cfg.jnp_dtype
+
+    def embed_prev(self, prev: jax.Array) -> jax.Array:
+        """``[...]`` token ids → ``[..., r]`` rows of ``markov_w1``."""
+        return jnp.take(self.markov_w1.value, prev, axis=0).astype(self.dtype)
+
+    def project(self, z: jax.Array) -> jax.Array:
+        """``[..., r]`` → ``[..., V]`` bias (``z @ markov_w2ᵀ``)."""
+        return jnp.einsum("...r,vr->...v", z.astype(self.dtype), self.markov_w2.value.astype(self.dtype))
+
+    def init_state(self, batch: int) -> jax.Array:
+        """Recurrent state ``[B, r]`` (zeros; stateless heads ignore it)."""
+        return jnp.zeros((batch, self.rank), jnp.float32)
+
+    def step(self, state: jax.Array, prev: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One walk step.
+
+        Args:
+          state: ``[B, r]``.
+          prev: ``[B]`` previous token ids.
+          h: ``[B, H]`` draft hidden state of this slot.
+
+        Returns:
+          ``(state [B, r], bias [B, V])``.
+        """
+        z, state = self._latent(state, self.embed_prev(prev), h)
+        return state, self.project(z)
+
+    def block(self, prev: jax.Array, h: jax.Array) -> jax.Array:
+        """Teacher-forced bias for a whole block.
+
+        Args:
+          prev: ``[B, γ]`` previous tokens ``[anchor, gold_1 … gold_{γ−1}]``.
+          h: ``[B, γ, H]``.
+
+        Returns:
+          ``[B, γ, V]``.
+        """
+        e = self.embed_prev(prev)  # [B, γ, r]
+
+        def body(state, inputs):
+            e_k, h_k = inputs
+            z, state = self._latent(state, e_k, h_k)
+            return state, z
+
+        _, z = jax.lax.scan(body, self.init_state(prev.shape[0]), (e.swapaxes(0, 1), h.swapaxes(0, 1)))
+        return self.project(z.swapaxes(0, 1))
+
+    def _latent(self, state, e, h):
+        """Returns ``(z [B, r], new_state [B, r])`` whose projection is the bias."""
+        raise NotImplementedError
+
+
+class VanillaMarkovHead(MarkovHead):
+    def _latent(self, state, e, h):
+        return e, state
+
+
+class GatedMarkovHead(MarkovHead):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.gate_proj = nnx.Linear(
+            cfg.hidden_size + cfg.markov_rank,
+            cfg.markov_rank,
+            use_bias=True,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_param_dtype,
+            kernel_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+
+    def _latent(self, state, e, h):
+        g = jax.nn.sigmoid(self.gate_proj(jnp.concatenate([h.astype(self.dtype), e], axis=-1)))
+        return g * e, state
+
+
+class RNNMarkovHead(MarkovHead):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        r = cfg.markov_rank
+        self.joint_proj = nnx.Linear(
+            2 * r + cfg.hidden_size,
+            3 * r,
+            use_bias=True,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_param_dtype,
+            kernel_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+
+    def _latent(self, state, e, h):
+        x = jnp.concatenate([state.astype(self.dtype), e, h.astype(self.dtype)], axis=-1)
+        g, c, o = jnp.split(self.joint_proj(x).astype(jnp.float32), 3, axis=-1)
+        sg = jax.nn.sigmoid(g)
+        state = sg * state + (1.0 - sg) * jnp.tanh(c)
+        return jnp.tanh(o), state
+
+
+MARKOV_HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RNNMarkovHead}
+
+
+def make_markov_head(cfg, *, rngs: nnx.Rngs) -> MarkovHead | None:
+    """The head ``cfg`` asks for, or ``None`` when ``markov_rank == 0``."""
+    if cfg.markov_rank == 0:
+        return None
+    return MARKOV_HEADS[cfg.markov_head_type](cfg, rngs=rngs)
+
+
+# pick(step_index, step_logits [B, V] float32) -> tokens [B] int32
+TokenPicker = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def markov_walk(
+    head: MarkovHead | None,
+    base_logits: jax.Array,
+    hidden: jax.Array,
+    bonus: jax.Array,
+    pick: TokenPicker,
+) -> tuple[jax.Array, jax.Array]:
+    """Walks the block left to right, adding each slot's Markov bias, then picking.
+
+    Args:
+      head: the Markov head, or ``None`` (DFlash-style: the bias is zero).
+      base_logits: ``[B, γ, V]``.
+      hidden: ``[B, γ, H]`` draft hidden states.
+      bonus: ``[B]`` the anchor token (``prev`` of step 0).
+      pick: chooses step ``k``'s tokens from its corrected float32 logits.
+
+    Returns:
+      ``(tokens [B, γ] int32, corrected [B, γ, V] float32)``.
+    """
+    batch = base_logits.shape[0]
+    if head is None:
+        corrected = base_logits.astype(jnp.float32)
+        steps = jnp.arange(corrected.shape[1])
+        tokens = jax.vmap(pick, in_axes=(0, 1), out_axes=1)(steps, corrected)
+        return tokens.astype(jnp.int32), corrected
+
+    def body(carry, inputs):
+        state, prev = carry
+        k, base_k, h_k = inputs
+        state, bias = head.step(state, prev, h_k)
+        logits = base_k.astype(jnp.float32) + bias.astype(jnp.float32)  # [B, V]
+        tok = pick(k, logits).astype(jnp.int32)
+        return (state, tok), (tok, logits)
+
+    steps = jnp.arange(base_logits.shape[1])
+    _, (tokens, corrected) = jax.lax.scan(
+        body,
+        (head.init_state(batch), bonus.astype(jnp.int32)),
+        (steps, base_logits.swapaxes(0, 1), hidden.swapaxes(0, 1)),
+    )
+    return tokens.swapaxes(0, 1), corrected.swapaxes(0, 1)
