@@ -1,25 +1,62 @@
-"""dspark_jax: DSpark speculative decoding in JAX."""
+"""dspark_jax: DSpark speculative decoding in JAX.
 
-from dspark_jax.cache import ContextCache, context_mask, fill_context, init_context_cache, write_context
-from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.draft import Borrowed, Calibration, ConfidenceHead, DSparkDraft
-from dspark_jax.markov import GatedMarkovHead, MarkovHead, RNNMarkovHead, VanillaMarkovHead, markov_walk
+Public names are re-exported here and imported lazily, so ``import dspark_jax`` stays
+cheap and the command line pays only for the subcommand it runs::
 
-__all__ = [
-    "Borrowed",
-    "Calibration",
-    "ConfidenceHead",
-    "ContextCache",
-    "DSparkDraft",
-    "DraftConfig",
-    "GatedMarkovHead",
-    "MarkovHead",
-    "RNNMarkovHead",
-    "TargetConfig",
-    "VanillaMarkovHead",
-    "context_mask",
-    "fill_context",
-    "init_context_cache",
-    "markov_walk",
-    "write_context",
-]
+    from dspark_jax import propose, DraftConfig, DSparkDraft
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> defining module
+_EXPORTS = {
+    # configuration
+    "DraftConfig": "dspark_jax.config",
+    "TargetConfig": "dspark_jax.config",
+    # modules
+    "RMSNorm": "dspark_jax.layers",
+    "Attention": "dspark_jax.layers",
+    "MLP": "dspark_jax.layers",
+    "DecoderLayer": "dspark_jax.layers",
+    "rope": "dspark_jax.layers",
+    "attend": "dspark_jax.layers",
+    "MarkovHead": "dspark_jax.markov",
+    "VanillaMarkovHead": "dspark_jax.markov",
+    "GatedMarkovHead": "dspark_jax.markov",
+    "RNNMarkovHead": "dspark_jax.markov",
+    "make_markov_head": "dspark_jax.markov",
+    "markov_walk": "dspark_jax.markov",
+    "Borrowed": "dspark_jax.draft",
+    "Calibration": "dspark_jax.draft",
+    "ConfidenceHead": "dspark_jax.draft",
+    "DSparkDraft": "dspark_jax.draft",
+    # context cache
+    "ContextCache": "dspark_jax.cache",
+    "init_context_cache": "dspark_jax.cache",
+    "write_context": "dspark_jax.cache",
+    "context_mask": "dspark_jax.cache",
+    "fill_context": "dspark_jax.cache",
+    # target
+    "KVCache": "dspark_jax.target",
+    "Target": "dspark_jax.target",
+    "Qwen3Target": "dspark_jax.target",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dspark_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)
