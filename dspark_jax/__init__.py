@@ -39,6 +39,18 @@ _EXPORTS = {
     "write_context": "dspark_jax.cache",
     "context_mask": "dspark_jax.cache",
     "fill_context": "dspark_jax.cache",
+    # sampling and proposal (issue 3)
+    "TOP_K_ALL": "dspark_jax.sampling",
+    "MIN_TEMPERATURE": "dspark_jax.sampling",
+    "sample_step": "dspark_jax.sampling",
+    "greedy_step": "dspark_jax.sampling",
+    "greedy_rows": "dspark_jax.sampling",
+    "row_keys": "dspark_jax.sampling",
+    "DraftBlock": "dspark_jax.proposal",
+    "propose": "dspark_jax.proposal",
+    "propose_with": "dspark_jax.proposal",
+    "propose_eager": "dspark_jax.proposal",
+    "validate_proposal_inputs": "dspark_jax.proposal",
     # target
     "KVCache": "dspark_jax.target",
     "Target": "dspark_jax.target",

@@ -43,9 +43,7 @@ def init_context_cache(cfg: DraftConfig, batch: int, capacity: int, dtype=None) 
     return ContextCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def write_context(
-    cache: ContextCache, k: jax.Array, v: jax.Array, start: jax.Array, count: jax.Array
-) -> ContextCache:
+def write_context(cache: ContextCache, k: jax.Array, v: jax.Array, start: jax.Array, count: jax.Array) -> ContextCache:
     """Writes the first ``count[b]`` of ``N`` new entries at positions ``start[b] + i``.
 
     Entries at ``i >= count[b]`` and positions past the capacity are dropped, so the

@@ -11,6 +11,12 @@ Conventions (see ``DSPARK_SPEC.md`` §1–2):
   ``[bonus, MASK × (γ−1)]``; slot ``k`` predicts the token at ``anchor + k + 1``.
 * ``sample_from_anchor=False`` (DFlash / speculators): γ+1 query rows
   ``[bonus, MASK × γ]``; the anchor row's output is dropped.
+* In ``config.json`` files ``block_size`` counts the query rows the draft was trained
+  with (DFlash's "block size 16" is the anchor plus 15 drafts), so a DFlash-layout file
+  stores γ+1; :meth:`DraftConfig.from_hf_config` and :meth:`DraftConfig.to_hf_config`
+  convert. When a file does not state ``sample_from_anchor``, its producer's default
+  applies: DeepSpec files (they carry ``markov_rank``) use the anchor layout, DFlash
+  and speculators files the DFlash layout.
 * ``target_layer_ids`` use the DeepSpec convention: id ``i`` is the output of target
   decoder layer ``i`` (HF ``hidden_states[i + 1]``), ``-1`` the embedding output.
   Speculators exports store ``i + 1``; :meth:`DraftConfig.from_hf_config` shifts them.
@@ -26,6 +32,8 @@ from typing import Any
 import jax.numpy as jnp
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# slot layout name -> sample_from_anchor
+LAYOUTS = {"anchor": True, "dflash": False}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -36,6 +44,16 @@ def _fail(field: str, value: Any, allowed: str) -> None:
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(name, value, "must be an integer >= 1")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(name, value, "must be True or False")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        _fail(name, value, "must be a number > 0")
 
 
 def _check_dtype(name: str, value: Any) -> None:
@@ -64,10 +82,9 @@ def _check_common(cfg: Any) -> None:
         )
     if cfg.head_dim % 2:
         _fail("head_dim", cfg.head_dim, "must be even (rotary embedding pairs halves)")
-    if not (isinstance(cfg.rms_norm_eps, (int, float)) and cfg.rms_norm_eps > 0):
-        _fail("rms_norm_eps", cfg.rms_norm_eps, "must be a number > 0")
-    if not (isinstance(cfg.rope_theta, (int, float)) and cfg.rope_theta > 0):
-        _fail("rope_theta", cfg.rope_theta, "must be a number > 0")
+    _check_positive_number("rms_norm_eps", cfg.rms_norm_eps)
+    _check_positive_number("rope_theta", cfg.rope_theta)
+    _check_bool("attention_bias", cfg.attention_bias)
     _check_dtype("dtype", cfg.dtype)
     _check_dtype("param_dtype", cfg.param_dtype)
 
@@ -135,6 +152,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         _check_common(self)
+        _check_bool("tie_word_embeddings", self.tie_word_embeddings)
 
     @property
     def jnp_dtype(self):
@@ -214,13 +232,17 @@ class DraftConfig:
                 f"must be a token id inside the embedding, 0 <= id < vocab_size={self.vocab_size}",
             )
         ids = self.target_layer_ids
-        if not isinstance(ids, tuple):
+        if isinstance(ids, list):
             # Frozen: normalise a list to a tuple so the config stays hashable.
             object.__setattr__(self, "target_layer_ids", tuple(ids))
             ids = self.target_layer_ids
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if (
+            not isinstance(ids, tuple)
+            or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
             _fail("target_layer_ids", ids, "must be a non-empty sequence of integers")
-        if any(b <= a for a, b in zip(ids, ids[1:])):
+        if any(b <= a for a, b in zip(ids[:-1], ids[1:], strict=True)):
             _fail("target_layer_ids", ids, "must be strictly increasing")
         if ids[0] < -1:
             _fail("target_layer_ids", ids, "must be >= -1 (-1 is the embedding output)")
@@ -236,6 +258,8 @@ class DraftConfig:
             _fail("markov_rank", self.markov_rank, "must be an integer >= 0 (0 = DFlash-style, no Markov head)")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             _fail("markov_head_type", self.markov_head_type, f"must be one of {MARKOV_HEAD_TYPES}")
+        for name in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
+            _check_bool(name, getattr(self, name))
         if self.confidence_head_with_markov and not self.enable_confidence_head:
             _fail("confidence_head_with_markov", True, "needs enable_confidence_head=True")
         if self.confidence_head_with_markov and self.markov_rank == 0:
@@ -262,6 +286,11 @@ class DraftConfig:
         return self.markov_rank > 0
 
     @property
+    def layout(self) -> str:
+        """The slot layout: ``"anchor"`` (DeepSpec, γ rows) or ``"dflash"`` (γ+1 rows)."""
+        return "anchor" if self.sample_from_anchor else "dflash"
+
+    @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
 
@@ -280,34 +309,15 @@ class DraftConfig:
         """
         if not isinstance(hf, dict):
             raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
-        if "speculators_model_type" in hf:
-            kwargs = _speculators_kwargs(hf)
-        else:
-            kwargs = _transformer_kwargs(hf, "draft config")
-            nested = hf.get("dflash_config") or {}
-            for name in ("block_size", "mask_token_id", "target_layer_ids"):
-                if name in hf:
-                    kwargs[name] = hf[name]
-                elif name in nested:
-                    kwargs[name] = nested[name]
-            for name in (
-                "num_target_layers",
-                "markov_rank",
-                "markov_head_type",
-                "enable_confidence_head",
-                "confidence_head_with_markov",
-                "sample_from_anchor",
-            ):
-                if name in hf:
-                    kwargs[name] = hf[name]
-            if "markov_rank" not in hf:
-                # A DFlash checkpoint without Markov fields has no Markov head.
-                kwargs["markov_rank"] = 0
+        kwargs = _speculators_kwargs(hf) if "speculators_model_type" in hf else _deepspec_kwargs(hf)
         for name in ("mask_token_id", "target_layer_ids"):
             if name not in kwargs and name not in overrides:
                 raise ValueError(f"draft config is missing the required field {name!r}")
-        if "target_layer_ids" in kwargs:
+        if isinstance(kwargs.get("target_layer_ids"), (list, tuple)):
             kwargs["target_layer_ids"] = tuple(kwargs["target_layer_ids"])
+        if "block_size" in kwargs and "block_size" not in overrides:
+            anchor = overrides.get("sample_from_anchor", kwargs["sample_from_anchor"])
+            kwargs["block_size"] = _gamma_from_rows(kwargs["block_size"], anchor)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -320,6 +330,7 @@ class DraftConfig:
         """The DeepSpec ``config.json`` form (read back by :meth:`from_hf_config`)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["target_layer_ids"] = list(self.target_layer_ids)
+        out["block_size"] = self.num_query_rows
         out.pop("param_dtype")
         out["torch_dtype"] = out.pop("dtype")
         out["model_type"] = "qwen3"
@@ -327,21 +338,77 @@ class DraftConfig:
         return out
 
 
+def _gamma_from_rows(rows: Any, sample_from_anchor: Any) -> Any:
+    """γ from a file's ``block_size`` (query rows; the DFlash layout counts the anchor)."""
+    if sample_from_anchor is not False or isinstance(rows, bool) or not isinstance(rows, int):
+        return rows
+    if rows < 2:
+        _fail(
+            "block_size",
+            rows,
+            "a DFlash-layout config (sample_from_anchor=False) counts the anchor row, so it must be >= 2",
+        )
+    return rows - 1
+
+
+def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """Reads the DeepSpec form and the DFlash form with its nested ``dflash_config``."""
+    kwargs = _transformer_kwargs(hf, "draft config")
+    nested = hf.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        _fail("dflash_config", nested, "must be a dict")
+    for name in ("block_size", "mask_token_id", "target_layer_ids"):
+        if name in hf:
+            kwargs[name] = hf[name]
+        elif name in nested:
+            kwargs[name] = nested[name]
+    for name in (
+        "num_target_layers",
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "sample_from_anchor",
+    ):
+        if name in hf:
+            kwargs[name] = hf[name]
+    # A file without Markov fields is a DFlash checkpoint: no Markov head, DFlash layout.
+    is_deepspec = "markov_rank" in hf
+    kwargs.setdefault("markov_rank", 0)
+    kwargs.setdefault("sample_from_anchor", is_deepspec)
+    return kwargs
+
+
 def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """Reads the speculators export form (nested transformer config, shifted layer ids)."""
     layer_cfg = hf.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
-        raise ValueError(
-            "speculators config needs a 'transformer_layer_config' dict, "
-            f"got {type(layer_cfg).__name__}"
-        )
+        raise ValueError(f"speculators config needs a 'transformer_layer_config' dict, got {type(layer_cfg).__name__}")
     kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
+    draft_vocab = hf.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != kwargs["vocab_size"]:
+        _fail(
+            "draft_vocab_size",
+            draft_vocab,
+            f"a reduced draft vocabulary (d2t/t2d mapping) is not supported; must equal "
+            f"transformer_layer_config.vocab_size={kwargs['vocab_size']}",
+        )
+    target_hidden = hf.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != kwargs["hidden_size"]:
+        _fail(
+            "target_hidden_size",
+            target_hidden,
+            f"must equal the draft hidden_size={kwargs['hidden_size']} (the draft borrows the target's embedding)",
+        )
     for name in ("block_size", "mask_token_id", "sample_from_anchor", "num_target_layers"):
         if name in hf:
             kwargs[name] = hf[name]
     if "aux_hidden_state_layer_ids" in hf:
         # Speculators count HF hidden_states (0 = embeddings); DeepSpec counts layers.
-        kwargs["target_layer_ids"] = tuple(int(i) - 1 for i in hf["aux_hidden_state_layer_ids"])
+        ids = hf["aux_hidden_state_layer_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            _fail("aux_hidden_state_layer_ids", ids, "must be a list of integers (HF hidden_states indices)")
+        kwargs["target_layer_ids"] = tuple(i - 1 for i in ids)
     for name in (
         "markov_rank",
         "markov_head_type",

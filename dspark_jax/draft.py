@@ -63,7 +63,7 @@ class ConfidenceHead(nnx.Module):
         Returns:
           ``[B, γ]`` float32 in ``[0, 1]``.
         """
-        return jax.nn.sigmoid(self.logits(hidden, prev_embed) / self.sts_temperature.value)
+        return jax.nn.sigmoid(self.logits(hidden, prev_embed) / self.sts_temperature[...])
 
 
 class DSparkDraft(nnx.Module):
@@ -96,8 +96,7 @@ class DSparkDraft(nnx.Module):
         for name, table in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if table.ndim != 2 or table.shape[1] != h or table.shape[0] < cfg.vocab_size:
                 raise ValueError(
-                    f"{name} has shape {tuple(table.shape)}: expected [V, {h}] with "
-                    f"V >= vocab_size={cfg.vocab_size}"
+                    f"{name} has shape {tuple(table.shape)}: expected [V, {h}] with V >= vocab_size={cfg.vocab_size}"
                 )
         self.embed_tokens = Borrowed(embed_tokens)
         self.lm_head = Borrowed(lm_head)
@@ -119,7 +118,7 @@ class DSparkDraft(nnx.Module):
     # ------------------------------------------------------------------ inputs
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """In-graph lookup in the borrowed target embedding: ``[B, S]`` → ``[B, S, H]``."""
-        return jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(self.cfg.jnp_dtype)
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.cfg.jnp_dtype)
 
     def block_ids(self, bonus: jax.Array) -> jax.Array:
         """``[B]`` bonus tokens → ``[B, R]`` block ids ``[bonus, MASK, …]``."""
@@ -146,7 +145,7 @@ class DSparkDraft(nnx.Module):
           ``(k, v)``, each ``[L, B, N, KVH, D]``.
         """
         ctx = self.fuse_context(features)
-        ks, vs = zip(*(layer.self_attn.key_value(ctx, positions) for layer in self.layers))
+        ks, vs = zip(*(layer.self_attn.key_value(ctx, positions) for layer in self.layers), strict=True)
         return jnp.stack(ks), jnp.stack(vs)
 
     # ----------------------------------------------------------------- forward
@@ -198,7 +197,7 @@ class DSparkDraft(nnx.Module):
 
     def base_logits(self, hidden: jax.Array) -> jax.Array:
         """``[B, γ, H]`` → ``[B, γ, V]`` through the borrowed lm_head, cropped to ``V``."""
-        w = self.lm_head.value[: self.cfg.vocab_size].astype(self.cfg.jnp_dtype)
+        w = self.lm_head[...][: self.cfg.vocab_size].astype(self.cfg.jnp_dtype)
         return jnp.einsum("bgh,vh->bgv", hidden.astype(self.cfg.jnp_dtype), w)
 
     def confidence(self, hidden: jax.Array, prev: jax.Array) -> jax.Array:

@@ -14,7 +14,13 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis, computed in float32."""
+    """Root-mean-square norm over the last axis.
+
+    The statistics are computed in float32; the normalised activations are cast back
+    to the input dtype before the weight multiplies them (the Hugging Face Qwen3
+    rounding order, so bfloat16 outputs match the PyTorch reference bit for bit more
+    often). The weight is stored in ``param_dtype``.
+    """
 
     def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         del rngs
@@ -22,9 +28,10 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight.value.astype(jnp.float32) * x32).astype(x.dtype)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * normed
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -98,7 +105,8 @@ class Attention(nnx.Module):
         self.q_proj = _linear(h, nh * d, bias=bias, cfg=cfg, rngs=rngs)
         self.k_proj = _linear(h, kvh * d, bias=bias, cfg=cfg, rngs=rngs)
         self.v_proj = _linear(h, kvh * d, bias=bias, cfg=cfg, rngs=rngs)
-        self.o_proj = _linear(nh * d, h, bias=False, cfg=cfg, rngs=rngs)
+        # Hugging Face Qwen3 gives o_proj a bias exactly when q/k/v have one.
+        self.o_proj = _linear(nh * d, h, bias=bias, cfg=cfg, rngs=rngs)
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, d
@@ -137,9 +145,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.self_attn = Attention(cfg, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(
-            cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype
-        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_fn) -> jax.Array:

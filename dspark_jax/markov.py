@@ -18,7 +18,7 @@ the walk with a caller-supplied token picker under ``jax.lax.scan``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +38,11 @@ class MarkovHead(nnx.Module):
 
     def embed_prev(self, prev: jax.Array) -> jax.Array:
         """``[...]`` token ids → ``[..., r]`` rows of ``markov_w1``."""
-        return jnp.take(self.markov_w1.value, prev, axis=0).astype(self.dtype)
+        return jnp.take(self.markov_w1[...], prev, axis=0).astype(self.dtype)
 
     def project(self, z: jax.Array) -> jax.Array:
         """``[..., r]`` → ``[..., V]`` bias (``z @ markov_w2ᵀ``)."""
-        return jnp.einsum("...r,vr->...v", z.astype(self.dtype), self.markov_w2.value.astype(self.dtype))
+        return jnp.einsum("...r,vr->...v", z.astype(self.dtype), self.markov_w2[...].astype(self.dtype))
 
     def init_state(self, batch: int) -> jax.Array:
         """Recurrent state ``[B, r]`` (zeros; stateless heads ignore it)."""

@@ -1,4 +1,4 @@
-"""A reference dense Qwen3 target (Flax NNX) with a KV cache and feature taps.
+"""A reference dense Qwen3 target (Flax NNX) with a KV cache, feature taps and HF checkpoints.
 
 Shape legend: B batch, S new tokens, C cache capacity, L layers, KVH key/value heads,
 D head dim, H hidden, V vocabulary, K tapped layers.
@@ -8,18 +8,27 @@ and values at their positions, then each query attends causally over cache entri
 positions ``<=`` its own; entries left behind by rejected drafts lie past every live
 query and are overwritten before they can be seen.
 
+Checkpoints use the Hugging Face ``Qwen3ForCausalLM`` layout: ``config.json`` plus one
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``; linear
+weights are stored ``[out, in]`` and transposed on load (:func:`load_target`,
+:func:`save_target`). :func:`check_pair` says whether a draft fits a target.
+
 Any model can serve as a target if it follows :class:`Target`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
 from flax import nnx, struct
 
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import DTYPES, DraftConfig, TargetConfig
 from dspark_jax.layers import DecoderLayer, RMSNorm
 
 
@@ -36,12 +45,26 @@ class KVCache:
 
 
 class Target(Protocol):
-    """What dspark_jax needs of a target model.
+    """What dspark_jax needs of a target model, so users can plug in their own.
 
-    Attributes:
-      config: exposes ``hidden_size``, ``vocab_size`` and ``num_hidden_layers``.
-      embed_tokens: the ``[V, H]`` embedding the draft borrows.
-      lm_head: the ``[V, H]`` output projection the draft borrows.
+    A target is an NNX module (it is split with ``nnx.split`` and merged again inside
+    the compiled round, so everything that changes per call must be an argument)
+    with:
+
+    * ``config``: exposes ``hidden_size``, ``vocab_size`` and ``num_hidden_layers``
+      (:func:`check_pair` reads them).
+    * ``embed_tokens`` / ``lm_head``: the ``[V, H]`` tables the draft borrows; pass them
+      to ``DSparkDraft(..., embed_tokens=target.embed_tokens, lm_head=target.lm_head)``
+      so both models reference the same buffers.
+    * ``init_cache(batch, capacity)``: an empty KV cache (any pytree) indexed by absolute
+      position.
+    * ``__call__(tokens, positions, cache, *, valid, feature_layers)``: a causal forward
+      of ``S`` new tokens per row at arbitrary per-row positions that writes the new
+      keys/values of rows where ``valid`` is True and returns float32 logits, the hidden
+      states after the layers in ``feature_layers`` (``-1`` = embedding output)
+      concatenated on the last axis, and the new cache. Rows with ``valid`` False must
+      leave the cache unchanged; queries must not see cache entries at positions past
+      their own (stale entries of rejected drafts live there).
     """
 
     config: TargetConfig
@@ -84,11 +107,11 @@ class Qwen3Target(nnx.Module):
 
     @property
     def embed_tokens(self) -> jax.Array:
-        return self.embed.value
+        return self.embed.get_value()
 
     @property
     def lm_head(self) -> jax.Array:
-        return self.embed.value if self.head is None else self.head.value
+        return self.embed.get_value() if self.head is None else self.head.get_value()
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -125,7 +148,7 @@ class Qwen3Target(nnx.Module):
         rows = jnp.arange(b)[:, None]
         key_pos = jnp.arange(cache.capacity, dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.jnp_dtype)
+        x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(cfg.jnp_dtype)
         taps = {-1: x}
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -141,9 +164,7 @@ class Qwen3Target(nnx.Module):
             taps[i] = x
         for i in feature_layers:
             if i not in taps:
-                raise ValueError(
-                    f"feature layer {i} is outside the target's depth: -1 <= id < {cfg.num_hidden_layers}"
-                )
+                raise ValueError(f"feature layer {i} is outside the target's depth: -1 <= id < {cfg.num_hidden_layers}")
         features = (
             jnp.concatenate([taps[i] for i in feature_layers], axis=-1)
             if feature_layers
@@ -152,3 +173,181 @@ class Qwen3Target(nnx.Module):
         h = self.norm(x)
         logits = jnp.einsum("bsh,vh->bsv", h, self.lm_head.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)
         return logits, features, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+
+
+# ---------------------------------------------------------------------- checkpoints
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def _hf_variables(target: Qwen3Target) -> dict[str, tuple[nnx.Variable, bool]]:
+    """HF tensor name → (the variable holding it, whether HF stores it transposed)."""
+    out = {"model.embed_tokens.weight": (target.embed, False), "model.norm.weight": (target.norm.weight, False)}
+    if target.head is not None:
+        out["lm_head.weight"] = (target.head, False)
+    for i, layer in enumerate(target.layers):
+        prefix = f"model.layers.{i}."
+        linears = [(f"self_attn.{n}", getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [(f"mlp.{n}", getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        for name, linear in linears:
+            out[f"{prefix}{name}.weight"] = (linear.kernel, True)  # HF [out, in]; ours [in, out]
+            if linear.bias is not None:
+                out[f"{prefix}{name}.bias"] = (linear.bias, False)
+        norms = {
+            "self_attn.q_norm": layer.self_attn.q_norm,
+            "self_attn.k_norm": layer.self_attn.k_norm,
+            "input_layernorm": layer.input_layernorm,
+            "post_attention_layernorm": layer.post_attention_layernorm,
+        }
+        for name, norm in norms.items():
+            out[f"{prefix}{name}.weight"] = (norm.weight, False)
+    return out
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a single-file or sharded safetensors checkpoint folder."""
+    index = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map': expected {{tensor name: shard file}}")
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, _SINGLE_FILE)):
+        weight_map, files = None, [_SINGLE_FILE]
+    else:
+        raise ValueError(f"checkpoint folder {path!r} has neither {_SINGLE_FILE} nor {_INDEX_FILE}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise ValueError(f"shard {name!r} listed in {_INDEX_FILE} is missing from {path!r}")
+        for key, value in safetensors.numpy.load_file(shard).items():
+            if key in tensors:
+                raise ValueError(f"tensor {key!r} appears in more than one shard of {path!r}")
+            if weight_map is not None and weight_map.get(key) != name:
+                raise ValueError(
+                    f"tensor {key!r} is in shard {name!r} but the index maps it to {weight_map.get(key)!r}"
+                )
+            tensors[key] = value
+    return tensors
+
+
+def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Target:
+    """Loads a Hugging Face Qwen3 checkpoint folder.
+
+    Args:
+      path: folder with ``config.json`` and ``model.safetensors`` (or shards listed in
+        ``model.safetensors.index.json``).
+      dtype: compute and parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
+        default: the checkpoint's ``torch_dtype`` when it is one of those, else float32.
+
+    Returns:
+      The target with the checkpoint's weights.
+
+    Raises:
+      ValueError: a tensor is missing, has the wrong shape, or is not part of the model.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"target path {path!r} is not a folder: expected a Hugging Face checkpoint folder")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if dtype is None:
+        dtype = hf.get("torch_dtype") if hf.get("torch_dtype") in DTYPES else "float32"
+    cfg = TargetConfig.from_hf_config(hf, dtype=dtype, param_dtype=dtype)
+    # Build the module abstractly: no random initialisation of weights that get replaced.
+    target = nnx.eval_shape(lambda: Qwen3Target(cfg, rngs=nnx.Rngs(0)))
+    tensors = _read_tensors(path)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        # Some tied exports store a copy of the embedding; accept it only if it is one.
+        head = tensors.pop("lm_head.weight")
+        if not np.array_equal(head, tensors.get("model.embed_tokens.weight")):
+            raise ValueError(
+                f"{path!r}: tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+            )
+    expected = _hf_variables(target)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} does not match the Qwen3 config: missing tensors {missing[:8]}"
+            f"{' …' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
+            f"{' …' if len(unexpected) > 8 else ''}"
+        )
+    for name, (variable, transposed) in expected.items():
+        value = tensors[name].T if transposed else tensors[name]
+        want = variable.get_value().shape
+        if value.shape != want:
+            stored = tuple(reversed(want)) if transposed else want
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}: expected {stored}")
+        variable.set_value(jnp.asarray(np.asarray(value), cfg.jnp_param_dtype))
+    return target
+
+
+def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
+    """Writes ``target`` as a Hugging Face Qwen3 checkpoint that :func:`load_target` reads.
+
+    Args:
+      target: the model.
+      path: output folder (created if needed).
+      max_shard_bytes: split the weights into shards of at most about this size, with a
+        ``model.safetensors.index.json``; one ``model.safetensors`` when omitted.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(target.config.to_hf_config(), f, indent=2)
+    tensors = {}
+    for name, (variable, transposed) in _hf_variables(target).items():
+        value = np.asarray(variable.get_value())
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    if max_shard_bytes is None:
+        safetensors.numpy.save_file(tensors, os.path.join(path, _SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        safetensors.numpy.save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(path, _INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def check_pair(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> None:
+    """Raises ``ValueError`` unless a draft built from ``draft_cfg`` can serve this target.
+
+    The draft borrows the target's embedding and lm_head (same hidden size, same
+    vocabulary) and reads the target layers in ``target_layer_ids``.
+    """
+    if draft_cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"draft hidden_size={draft_cfg.hidden_size} does not fit the target: must equal the target's "
+            f"hidden_size={target_cfg.hidden_size} (the draft borrows its embedding and lm_head)"
+        )
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft vocab_size={draft_cfg.vocab_size} does not fit the target: must equal the target's "
+            f"vocab_size={target_cfg.vocab_size}"
+        )
+    depth = target_cfg.num_hidden_layers
+    if draft_cfg.num_target_layers is not None and draft_cfg.num_target_layers != depth:
+        raise ValueError(
+            f"draft num_target_layers={draft_cfg.num_target_layers} does not fit the target: it has "
+            f"num_hidden_layers={depth}"
+        )
+    bad = [i for i in draft_cfg.target_layer_ids if not -1 <= i < depth]
+    if bad:
+        raise ValueError(
+            f"draft target_layer_ids={list(draft_cfg.target_layer_ids)} do not fit the target: ids {bad} are "
+            f"outside -1 <= id < num_hidden_layers={depth}"
+        )

@@ -1,0 +1,237 @@
+"""Accepting draft tokens against the target: greedy prefix match and chain rejection sampling.
+
+Shape legend: B batch, γ draft tokens, T = γ + 1 verify rows, V vocabulary.
+
+Verify row ``i`` of the target logits (position ``prefix_len + i``) predicts the token
+after it, so it judges draft ``d_{i+1}`` and, when every draft before it is accepted,
+supplies the bonus. Per row (``DSPARK_SPEC.md`` §4):
+
+* greedy rows: ``correct_len`` = leading ``d_{i+1} == argmax(target_logits[i])``,
+  ``bonus = argmax(target_logits[correct_len])``;
+* sampling rows: ``p`` = target probabilities at the request's temperature with its
+  top-k / top-p, ``q = softmax(corrected / T)``; accept ``d_i`` while
+  ``u_i · q_i(d_i) < p_i(d_i)``; on the first rejection at ``n`` the bonus is drawn from
+  ``normalise(max(p_n − q_n, 0))`` (``p_n`` when that is all zero), after the last verified
+  draft from ``p`` at that row. The committed tokens are then distributed exactly as if
+  the target had sampled them one at a time.
+
+A per-request cap ``verify_len ∈ [1, γ+1]`` (the anchor plus the drafts the target
+verified) bounds ``correct_len ≤ verify_len − 1``. Sampling draws ``u ~ U[0, 1)`` and
+``E ~ Exp(1)`` (the exponential race, ``argmax(probs / E)``), all in float32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.sampling import clamp_temperatures, greedy_rows, greedy_step
+
+if TYPE_CHECKING:
+    from dspark_jax.proposal import DraftBlock
+
+
+def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Restricts distributions to their top-k, then to their top-p nucleus, and renormalises.
+
+    Tokens are ranked by probability, ties by lowest id. Top-k keeps the ``k`` first
+    ranks; top-p then keeps the shortest ranked prefix whose (top-k renormalised) mass
+    reaches ``top_p``, never fewer than one token; ``top_p >= 1`` keeps all.
+
+    Args:
+      probs: ``[..., V]`` float32 probabilities (rows sum to 1).
+      top_k: ``[...]`` integer, ``>= 1`` (a huge value = no top-k).
+      top_p: ``[...]`` float in ``(0, 1]``.
+
+    Returns:
+      ``[..., V]`` float32 probabilities, zero outside the kept set.
+    """
+    probs = probs.astype(jnp.float32)
+    top_k = jnp.broadcast_to(top_k, probs.shape[:-1])[..., None]
+    top_p = jnp.broadcast_to(top_p, probs.shape[:-1])[..., None].astype(jnp.float32)
+    order = jnp.argsort(-probs, axis=-1, stable=True)  # rank -> token id
+    ranked = jnp.take_along_axis(probs, order, axis=-1)  # [..., V] descending
+    rank = jnp.arange(probs.shape[-1])
+    in_top_k = rank < top_k
+    mass_k = jnp.sum(jnp.where(in_top_k, ranked, 0.0), axis=-1, keepdims=True)
+    before = jnp.cumsum(ranked, axis=-1) - ranked  # mass ranked strictly ahead
+    keep_ranked = in_top_k & ((before < top_p * mass_k) | (top_p >= 1.0) | (rank == 0))
+    kept = jnp.where(_unsort(keep_ranked, order), probs, 0.0)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def _unsort(ranked: jax.Array, order: jax.Array) -> jax.Array:
+    """Scatters ``ranked[..., r]`` back to token ``order[..., r]`` along the last axis."""
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(ranked, inverse, axis=-1)
+
+
+def target_probs(logits: jax.Array, temperatures: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The target's sampling distribution: ``softmax(logits / T)`` with top-k / top-p.
+
+    Args:
+      logits: ``[B, ..., V]``.
+      temperatures: ``[B]`` (clamped below at ``1e-5``).
+      top_k, top_p: ``[B]``.
+
+    Returns:
+      ``[B, ..., V]`` float32.
+    """
+    extra = logits.ndim - 2
+    expand = (slice(None),) + (None,) * extra
+    t = clamp_temperatures(temperatures)[expand + (None,)]
+    probs = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
+    return apply_top_k_top_p(probs, top_k[expand], top_p[expand])
+
+
+def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``E ~ Exp(1)`` as ``-log U`` with ``U`` uniform on ``[tiny, 1)``: strictly positive, finite."""
+    u = jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    return -jnp.log(u)
+
+
+def race(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
+    """Exponential race ``argmax(probs / E)`` in log form: samples ``probs [..., V]``.
+
+    Zero-probability tokens never win; ties go to the lowest id.
+    """
+    scores = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) - jnp.log(exponentials), -jnp.inf)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sample_tokens(
+    logits: jax.Array, temperatures: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
+) -> jax.Array:
+    """Samples one token per row the way the target samples on its own.
+
+    Args:
+      logits: ``[B, V]`` float32.
+      temperatures, top_k, top_p: ``[B]``; greedy rows (``sampling.greedy_rows``) take the argmax.
+      key: a PRNG key.
+
+    Returns:
+      ``[B]`` int32.
+    """
+    sampled = race(target_probs(logits, temperatures, top_k, top_p), exponential_noise(key, logits.shape))
+    return jnp.where(greedy_rows(temperatures, top_k), greedy_step(logits), sampled)
+
+
+def accept(
+    target_logits: jax.Array,
+    block: DraftBlock,
+    *,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    verify_len: jax.Array | None = None,
+    key: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Accepts a prefix of each row's drafts and picks the bonus token. Jittable.
+
+    Args:
+      target_logits: ``[B, T, V]`` float32 target logits of ``[bonus, d_1 … d_γ]``.
+      block: the proposal (``draft_tokens [B, γ]``, ``corrected_logits [B, γ, V]`` or an
+        empty ``[B, γ, 0]`` when every row is greedy, ``greedy_mask [B]``,
+        ``temperatures [B]``).
+      top_k, top_p: ``[B]`` the requests' target top-k / top-p.
+      verify_len: ``[B]`` int in ``[1, γ+1]``, rows the target verified (anchor
+        included); ``None`` = all ``γ + 1``.
+      key: a PRNG key for the uniforms and the bonus draw.
+
+    Returns:
+      ``(correct_len [B] int32 in [0, verify_len − 1], bonus [B] int32)``.
+    """
+    b, t, v = target_logits.shape
+    k_u, k_e = jax.random.split(key)
+    uniforms = jax.random.uniform(k_u, (b, t - 1), jnp.float32)
+    exponentials = exponential_noise(k_e, (b, v))
+    return accept_with_noise(
+        target_logits,
+        block,
+        top_k=top_k,
+        top_p=top_p,
+        verify_len=verify_len,
+        uniforms=uniforms,
+        exponentials=exponentials,
+    )
+
+
+def accept_with_noise(
+    target_logits: jax.Array,
+    block: DraftBlock,
+    *,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    verify_len: jax.Array | None,
+    uniforms: jax.Array,
+    exponentials: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`accept` with its randomness supplied: ``uniforms [B, γ]`` in ``[0, 1)`` and
+    ``exponentials [B, V]`` Exp(1) noise for the bonus race (sampling rows only)."""
+    b, t, v = target_logits.shape
+    gamma = t - 1
+    drafts = block.draft_tokens.astype(jnp.int32)  # [B, γ]
+    cap = jnp.full((b,), gamma, jnp.int32) if verify_len is None else verify_len.astype(jnp.int32) - 1
+    rows = jnp.arange(b)
+
+    pred = greedy_step(target_logits.reshape(b * t, v)).reshape(b, t)  # [B, T]
+    greedy_len = jnp.minimum(_leading_true(drafts == pred[:, :gamma]), cap)
+    greedy_bonus = pred[rows, greedy_len]
+    if block.corrected_logits.shape[-1] == 0:  # greedy-only proposal: no q to sample against
+        return greedy_len, greedy_bonus
+
+    temps = clamp_temperatures(block.temperatures)
+    p = target_probs(target_logits, temps, top_k, top_p)  # [B, T, V]
+    q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) / temps[:, None, None], axis=-1)  # [B, γ, V]
+    p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    sample_len = jnp.minimum(_leading_true(uniforms * q_d < p_d), cap)
+    p_n = p[rows, sample_len]  # [B, V]
+    q_n = q[rows, jnp.minimum(sample_len, gamma - 1)]
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    rejected = (sample_len < cap)[:, None] & (mass > 0)
+    dist = jnp.where(rejected, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    sample_bonus = race(dist, exponentials)
+
+    greedy = block.greedy_mask
+    return jnp.where(greedy, greedy_len, sample_len), jnp.where(greedy, greedy_bonus, sample_bonus)
+
+
+def _leading_true(flags: jax.Array) -> jax.Array:
+    """``[B, γ]`` bool → ``[B]`` int32 count of leading True values."""
+    return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) -> jax.Array:
+    """Confidence-scheduled verify lengths (``DSPARK_SPEC.md`` §5). Jittable.
+
+    With survivals ``S[b, k] = Π_{j ≤ k} confidence[b, j]``, picks the global budget ``m``
+    of drafts maximising ``(B + Σ top-m survivals) · steps_per_second[B + m]``, then gives
+    each request the anchor plus its entries among the top ``m`` (a prefix, since
+    survival never increases along a row; equal survivals go to the earlier slot).
+
+    Args:
+      confidence: ``[B, γ]`` per-slot acceptance probabilities.
+      steps_per_second: ``[N]`` measured target verify steps per second when the batch
+        verifies ``t`` tokens in total (anchors included), indexed by ``t``;
+        ``N > B·(γ+1)``.
+
+    Returns:
+      ``verify_len [B]`` int32 in ``[1, γ+1]``.
+    """
+    b, gamma = confidence.shape
+    if steps_per_second.shape[0] <= b * (gamma + 1):
+        raise ValueError(
+            f"steps_per_second has {steps_per_second.shape[0]} entries: needs more than "
+            f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
+        )
+    survival = jnp.cumprod(confidence.astype(jnp.float32), axis=-1).reshape(-1)  # [B·γ]
+    order = jnp.argsort(-survival, stable=True)
+    gain = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(survival[order])])  # [B·γ + 1]
+    budget = jnp.arange(b * gamma + 1)
+    value = (b + gain) * steps_per_second[b + budget].astype(jnp.float32)
+    best = jnp.argmax(value)
+    chosen = _unsort(budget[1:] <= best, order).reshape(b, gamma)
+    return (1 + jnp.sum(chosen, axis=-1)).astype(jnp.int32)

@@ -1,0 +1,833 @@
+"""``dspark-jax bench``: latency of the folded proposal against its floors and PyTorch.
+
+Builds a draft with random weights at the released Qwen3-8B draft's shapes (or tiny
+shapes that run on a CPU in seconds), fills a context cache with ``context`` tokens
+per request and measures, per batch bucket and sampling mode:
+
+* the median latency of ``propose`` (folded: one compiled call; eager: step by step);
+* the floor of a round: the bytes it must read over the measured copy bandwidth and
+  its FLOPs over the measured matmul rate;
+* compile time per bucket, cold and from the persistent compilation cache (in fresh
+  subprocesses, so nothing in this process's caches helps);
+* peak device memory against the memory gate's prediction;
+* the same round in PyTorch, eager and as a CUDA graph (``--no-torch`` skips it);
+* with ``--e2e``, plain against speculative decoding of a Qwen3-8B-shaped target with
+  accepted lengths forced to a chosen mean.
+
+Timing: each call is dispatched and waited for (``block_until_ready``) on its own after
+a warm-up; the tables give the median over ``--iters`` calls.
+
+Shape legend: B batch, γ draft slots, V vocabulary, H hidden, C context capacity,
+L draft layers, T verify width (γ + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.cache import ContextCache, fill_context
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.target import KVCache, Qwen3Target
+
+MODES = ("greedy", "mixed", "sampling")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchShapes:
+    """Model shapes and measurement sizes of one benchmark preset.
+
+    ``draft`` holds the :class:`DraftConfig` fields; the target shares the hidden size,
+    heads, intermediate size and vocabulary and has ``target_layers`` layers.
+    """
+
+    name: str
+    draft: dict[str, Any]
+    target_layers: int
+    context: int
+    ceiling_bytes: int
+    matmul_size: int
+    batches: tuple[int, ...]
+    iters: int
+    e2e_steps: int
+
+
+SHAPES = {
+    # The released dspark_qwen3_8b_block7 draft (bf16, vanilla head, confidence head).
+    "8b": BenchShapes(
+        name="8b",
+        draft=dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            block_size=7,
+            mask_token_id=151669,
+            target_layer_ids=(1, 9, 17, 25, 33),
+            num_target_layers=36,
+            markov_rank=256,
+            markov_head_type="vanilla",
+            enable_confidence_head=True,
+            confidence_head_with_markov=True,
+            dtype="bfloat16",
+            param_dtype="bfloat16",
+        ),
+        target_layers=36,
+        context=1024,
+        ceiling_bytes=2 << 30,
+        matmul_size=8192,
+        batches=(1, 8, 32, 128),
+        iters=50,
+        e2e_steps=32,
+    ),
+    # Seconds on a CPU: the CI smoke run.
+    "tiny": BenchShapes(
+        name="tiny",
+        draft=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            block_size=7,
+            mask_token_id=511,
+            target_layer_ids=(0, 1, 2),
+            num_target_layers=4,
+            markov_rank=16,
+            markov_head_type="vanilla",
+            enable_confidence_head=True,
+            confidence_head_with_markov=True,
+            dtype="float32",
+            param_dtype="float32",
+        ),
+        target_layers=4,
+        context=32,
+        ceiling_bytes=8 << 20,
+        matmul_size=128,
+        batches=(1, 4),
+        iters=3,
+        e2e_steps=4,
+    ),
+}
+
+
+def draft_config(shapes: BenchShapes) -> DraftConfig:
+    """The benchmark draft's config."""
+    return DraftConfig(**shapes.draft)
+
+
+def target_config(shapes: BenchShapes, num_layers: int | None = None) -> TargetConfig:
+    """A Qwen3 target of the draft's width with ``num_layers`` (default the preset's) layers."""
+    d = shapes.draft
+    return TargetConfig(
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=num_layers or shapes.target_layers,
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d["head_dim"],
+        vocab_size=d["vocab_size"],
+        dtype=d["dtype"],
+        param_dtype=d["param_dtype"],
+    )
+
+
+# --------------------------------------------------------------------------- inputs
+def build_draft(cfg: DraftConfig, seed: int = 0, *, embed_tokens=None, lm_head=None):
+    """A draft with random weights created on the default device.
+
+    Returns:
+      ``(graphdef, state)`` of the split module.
+    """
+    draft = DSparkDraft(cfg, rngs=nnx.Rngs(seed), embed_tokens=embed_tokens, lm_head=lm_head)
+    return nnx.split(draft)
+
+
+def random_context(cfg: DraftConfig, batch: int, capacity: int, key: jax.Array) -> ContextCache:
+    """A context cache ``[L, B, C, KVH, D]`` filled with random keys and values.
+
+    Random entries stand in for ``fill_context`` of a 1024-token prompt: the proposal
+    reads them the same way, and building them costs no backbone pass.
+    """
+    shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+    kk, kv = jax.random.split(key)
+    make = jax.jit(lambda k: jax.random.normal(k, shape, cfg.jnp_dtype))
+    return ContextCache(k=make(kk), v=make(kv))
+
+
+def sampling_params(batch: int, mode: str) -> tuple[jax.Array, jax.Array]:
+    """Per-row ``(temperatures [B], top_k [B])`` of a benchmark batch.
+
+    ``greedy``: every row greedy; ``sampling``: every row samples at T = 1 over the whole
+    vocabulary; ``mixed``: the first ``max(1, B // 2)`` rows sample, the rest are greedy.
+    """
+    from dspark_jax.sampling import TOP_K_ALL
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
+    n_sample = {"greedy": 0, "mixed": max(1, batch // 2), "sampling": batch}[mode]
+    sample = np.arange(batch) < n_sample
+    temps = np.where(sample, 1.0, 0.0).astype(np.float32)
+    top_k = np.where(sample, TOP_K_ALL, 1).astype(np.int32)
+    return jnp.asarray(temps), jnp.asarray(top_k)
+
+
+# --------------------------------------------------------------------------- floors
+def round_cost(cfg: DraftConfig, batch: int, context: int, *, folded_sampling: bool) -> dict[str, float]:
+    """Bytes a draft round must move and the FLOPs it must do.
+
+    Counted: the layer weights, the lm_head and the embedding rows once; ``markov_w2``
+    once per walk step (78 MB at the 8B shapes, more than an H200's 60 MB L2, and each
+    step needs the previous step's token); the context keys and values of ``context``
+    positions per request; the corrected logits ``[B, γ, V]`` float32 written when the
+    round folds sampling. Norms, RoPE and the confidence head are negligible.
+
+    Returns:
+      ``bytes``, ``flops`` and the parts of each.
+    """
+    item = jnp.dtype(cfg.jnp_param_dtype).itemsize
+    act = jnp.dtype(cfg.jnp_dtype).itemsize
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, kvh, v, r, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, cfg.markov_rank, cfg.gamma
+    rows = batch * cfg.num_query_rows
+    layer_params = h * nh * d * 2 + h * kvh * d * 2 + 3 * h * i
+    parts_bytes = {
+        "layers": cfg.num_hidden_layers * layer_params * item,
+        "lm_head": v * h * item,
+        "markov_w2": g * v * r * item,
+        "context_kv": 2 * cfg.num_hidden_layers * batch * context * kvh * d * act,
+        "embed_rows": rows * h * item,
+        "corrected_logits": batch * g * v * 4 if folded_sampling else 0,
+    }
+    keys = context + cfg.num_query_rows
+    parts_flops = {
+        "layers": 2 * rows * cfg.num_hidden_layers * layer_params,
+        "attention": 2 * 2 * rows * cfg.num_hidden_layers * nh * d * keys,
+        "lm_head": 2 * batch * g * v * h,
+        "markov": 2 * batch * g * v * r,
+    }
+    return {
+        "bytes": float(sum(parts_bytes.values())),
+        "flops": float(sum(parts_flops.values())),
+        "bytes_parts": parts_bytes,
+        "flops_parts": parts_flops,
+    }
+
+
+def floor_ms(cost: dict[str, float], bandwidth: float, flop_rate: float) -> tuple[float, str]:
+    """``max(bytes / bandwidth, flops / flop_rate)`` in ms and which term bounds it."""
+    t_bytes = cost["bytes"] / bandwidth * 1e3
+    t_flops = cost["flops"] / flop_rate * 1e3
+    return (t_bytes, "bytes") if t_bytes >= t_flops else (t_flops, "flops")
+
+
+# --------------------------------------------------------------------------- timing
+def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
+    """Median, 10th and 90th percentile wall time (ms) of ``fn()`` waited on alone."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    p10, med, p90 = np.percentile(times, [10, 50, 90])
+    return {"median_ms": float(med), "p10_ms": float(p10), "p90_ms": float(p90), "iters": iters}
+
+
+def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, float]:
+    """Measured memory bandwidth and bf16 matmul rate of the default device.
+
+    ``elementwise``: a jitted ``x * 2 + 1`` over ``nbytes`` of float32 (bytes read plus
+    written); ``copy``: a jitted device copy of the same buffer (read plus written);
+    ``matmul``: an ``n×n×n`` bf16 product on random data.
+    """
+    n = nbytes // 4
+    x = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32))(jax.random.key(1))
+    elementwise = jax.jit(lambda a: a * 2.0 + 1.0)
+    copy = jax.jit(lambda a: jnp.copy(a))
+    t_elem = time_call(lambda: elementwise(x), iters=iters)["median_ms"]
+    t_copy = time_call(lambda: copy(x), iters=iters)["median_ms"]
+    m = matmul_size
+    ka, kb = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(ka, (m, m), jnp.bfloat16)
+    b = jax.random.normal(kb, (m, m), jnp.bfloat16)
+    matmul = jax.jit(lambda p, q: p @ q)
+    t_mm = time_call(lambda: matmul(a, b), iters=iters)["median_ms"]
+    return {
+        "elementwise_bytes_per_s": 2 * nbytes / (t_elem * 1e-3),
+        "copy_bytes_per_s": 2 * nbytes / (t_copy * 1e-3),
+        "matmul_flops_per_s": 2 * m**3 / (t_mm * 1e-3),
+        "buffer_bytes": nbytes,
+        "matmul_size": m,
+    }
+
+
+def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict[str, Any]:
+    """Device time per kernel over ``iters`` calls, from a ``jax.profiler`` trace.
+
+    Returns:
+      ``{"calls", "device_busy_ms" (per call, summed over kernels), "kernels": [{name,
+      ms_per_call, count_per_call}]}``, the kernels sorted by time; empty kernels when the
+      backend records no device plane (the CPU).
+    """
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(iters):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        paths = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp) for f in fs if f.endswith(".xplane.pb")]
+        totals: dict[str, list[float]] = {}
+        for path in paths:
+            for plane in jax.profiler.ProfileData.from_file(path).planes:
+                if not plane.name.startswith("/device:GPU"):
+                    continue
+                for line in plane.lines:
+                    if not line.name.startswith("Stream"):
+                        continue
+                    for event in line.events:
+                        acc = totals.setdefault(event.name, [0.0, 0])
+                        acc[0] += event.duration_ns * 1e-6
+                        acc[1] += 1
+    kernels = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {
+        "calls": iters,
+        "device_busy_ms": sum(t for t, _ in totals.values()) / iters,
+        "kernels": [
+            {"name": name[:120], "ms_per_call": t / iters, "count_per_call": c / iters}
+            for name, (t, c) in kernels[:top]
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- propose
+def _inputs(cfg: DraftConfig, batch: int, context: int, capacity: int, seed: int) -> dict[str, Any]:
+    key = jax.random.key(seed)
+    k_cache, k_bonus = jax.random.split(key)
+    return {
+        "cache": random_context(cfg, batch, capacity, k_cache),
+        "bonus": jax.random.randint(k_bonus, (batch,), 0, cfg.vocab_size, jnp.int32),
+        "prefix_lens": jnp.full((batch,), context, jnp.int32),
+    }
+
+
+def bench_propose(
+    cfg: DraftConfig,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    *,
+    batches: tuple[int, ...],
+    context: int,
+    iters: int,
+    eager_iters: int,
+    ceilings: dict[str, float],
+    profile: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Times ``propose`` per batch, mode and path; records peak memory per batch.
+
+    Paths: ``folded`` (one compiled call, sampling folded in: the program every mode
+    runs), ``folded_greedy`` (``fold_sampling=False``, greedy batches only) and
+    ``eager`` (:func:`~dspark_jax.proposal.propose_eager`).
+
+    Returns:
+      ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
+      memory row per batch. Batches run in ascending order so the device's peak memory
+      after a batch is that batch's peak.
+    """
+    from dspark_jax.proposal import propose, propose_eager
+
+    folded = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    draft = nnx.merge(graphdef, state)
+    capacity = context + 2 * cfg.num_query_rows
+    key = jax.random.key(7)
+    bandwidth = ceilings["elementwise_bytes_per_s"]
+    rows, memory = [], []
+    for batch in sorted(batches):
+        inp = _inputs(cfg, batch, context, capacity, seed=batch)
+        mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
+        for path, fold_sampling, modes in (("folded_greedy", False, ("greedy",)), ("folded", True, MODES)):
+            cost = round_cost(cfg, batch, context, folded_sampling=fold_sampling)
+            floor, bound = floor_ms(cost, bandwidth, ceilings["matmul_flops_per_s"])
+            floor_copy, _ = floor_ms(cost, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
+            for mode in modes:
+                temps, top_k = sampling_params(batch, mode)
+                args = (graphdef, state, inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
+
+                def call(args=args, fold_sampling=fold_sampling):
+                    return folded(*args, fold_sampling=fold_sampling)
+
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                first_ms = (time.perf_counter() - t0) * 1e3
+                row = {
+                    "batch": batch,
+                    "mode": mode,
+                    "path": path,
+                    **time_call(call, iters=iters),
+                    "first_call_ms": first_ms,
+                    "bytes": cost["bytes"],
+                    "flops": cost["flops"],
+                    "floor_ms": floor,
+                    "floor_bound": bound,
+                    "floor_copy_ms": floor_copy,
+                }
+                if profile and mode in ("greedy", "mixed"):
+                    row["profile"] = profile_kernels(call, iters=min(iters, 10))
+                rows.append(row)
+            mem_row[f"peak_after_{path}_bytes"] = _memory_stat("peak_bytes_in_use")
+        for mode in MODES if eager_iters else ():
+            temps, top_k = sampling_params(batch, mode)
+
+            def call_eager(temps=temps, top_k=top_k, inp=inp):
+                return propose_eager(draft, inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
+
+            rows.append({"batch": batch, "mode": mode, "path": "eager", **time_call(call_eager, iters=eager_iters)})
+        memory.append(mem_row)
+        inp.clear()  # frees this batch's cache before the next batch's is built
+    return rows, memory
+
+
+def _memory_stat(name: str) -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get(name)
+
+
+# --------------------------------------------------------------------------- compile
+def _compile_worker(shapes: BenchShapes, max_batch: int) -> dict[str, Any]:
+    """Compiles ``propose`` for every power-of-two bucket up to ``max_batch`` and both modes.
+
+    Runs in a fresh subprocess (see :func:`bench_compile`) on abstract weights, so it
+    measures compilation alone; the persistent cache directory comes from the
+    ``JAX_COMPILATION_CACHE_DIR`` environment variable.
+    """
+    from dspark_jax.proposal import propose
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cfg = draft_config(shapes)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0))))
+    capacity = shapes.context + 2 * cfg.num_query_rows
+    folded = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    key = jax.random.key(0)
+    buckets, batch = [], 1
+    while batch <= max_batch:
+        cache_shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        cache = ContextCache(*(jax.ShapeDtypeStruct(cache_shape, cfg.jnp_dtype) for _ in range(2)))
+        ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        temps = jax.ShapeDtypeStruct((batch,), jnp.float32)
+        for fold_sampling in (False, True):
+            t0 = time.perf_counter()
+            folded.lower(graphdef, state, cache, ints, ints, temps, ints, key, fold_sampling=fold_sampling).compile()
+            buckets.append({"batch": batch, "fold_sampling": fold_sampling, "seconds": time.perf_counter() - t0})
+        batch *= 2
+    return {"buckets": buckets, "total_seconds": sum(b["seconds"] for b in buckets)}
+
+
+def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str | None = None) -> dict[str, Any]:
+    """Compile time of every bucket, cold and from the persistent compilation cache.
+
+    Runs :func:`_compile_worker` twice in fresh subprocesses sharing one
+    ``JAX_COMPILATION_CACHE_DIR`` (a new temporary directory unless ``cache_dir`` is
+    given): the first run fills the cache, the second reads it.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir or tmp, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        cmd = [
+            sys.executable,
+            "-m",
+            "dspark_jax.bench",
+            "--compile-worker",
+            "--shapes",
+            shapes.name,
+            "--max-batch",
+            str(max_batch),
+        ]
+        out = {}
+        for run in ("cold", "cached"):
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            wall = time.perf_counter() - t0
+            if proc.returncode:
+                out[run] = {"error": proc.stderr[-2000:]}
+                continue
+            out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": wall}
+    return out
+
+
+# --------------------------------------------------------------------------- torch
+def bench_torch(shapes: BenchShapes, batches: tuple[int, ...], iters: int) -> dict[str, Any]:
+    """Runs :mod:`dspark_jax.bench_torch` in a subprocess (PyTorch stays out of this process).
+
+    Returns:
+      Its JSON result, or ``{"error": ...}`` when PyTorch or CUDA is missing or it fails.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark_jax.bench_torch",
+        "--shapes",
+        shapes.name,
+        "--batches",
+        ",".join(map(str, batches)),
+        "--iters",
+        str(iters),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- end to end
+def forced_accept_probs(mean_accepted: float, gamma: int) -> np.ndarray:
+    """A fixed distribution of ``correct_len`` over ``0..γ`` with mean ``mean_accepted − 1``.
+
+    ``P(c) ∝ exp(λ·c)`` with ``λ`` found by bisection; ``mean_accepted`` counts the bonus
+    token, like the paper's τ.
+
+    Returns:
+      ``[γ + 1]`` float64 probabilities.
+    """
+    want = mean_accepted - 1.0
+    if not 0.0 < want < gamma:
+        raise ValueError(f"tau={mean_accepted!r} is invalid: must lie strictly between 1 and gamma + 1 = {gamma + 1}")
+    c = np.arange(gamma + 1, dtype=np.float64)
+
+    def probs(lam):
+        w = np.exp(lam * c - np.max(lam * c))
+        return w / w.sum()
+
+    lo, hi = -60.0, 60.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if probs(mid) @ c < want else (lo, mid)
+    return probs(0.5 * (lo + hi))
+
+
+def _spec_round(t_graphdef, t_state, d_graphdef, d_state, kv, ctx, bonus, prefix_lens, key, accept_probs):
+    """Greedy propose → verify → forced accept → commit, one compiled round."""
+    from dspark_jax.proposal import propose
+
+    target = nnx.merge(t_graphdef, t_state)
+    draft = nnx.merge(d_graphdef, d_state)
+    cfg = draft.cfg
+    batch = bonus.shape[0]
+    k_prop, k_acc = jax.random.split(key)
+    zeros = jnp.zeros((batch,), jnp.float32)
+    ones = jnp.ones((batch,), jnp.int32)
+    block = propose(d_graphdef, d_state, ctx, bonus, prefix_lens, zeros, ones, k_prop, fold_sampling=False)
+    tokens = jnp.concatenate([bonus[:, None], block.draft_tokens], axis=1)  # [B, T]
+    positions = prefix_lens[:, None] + jnp.arange(cfg.gamma + 1, dtype=jnp.int32)  # [B, T]
+    logits, features, kv = target(tokens, positions, kv, feature_layers=cfg.target_layer_ids)
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    # Benchmark only: accepted lengths drawn from a fixed distribution, not from pred.
+    correct = jax.random.choice(k_acc, cfg.gamma + 1, (batch,), p=accept_probs).astype(jnp.int32)
+    new_bonus = jnp.take_along_axis(pred, correct[:, None], axis=1)[:, 0]
+    ctx = fill_context(draft, ctx, features, prefix_lens, correct + 1)
+    return kv, ctx, new_bonus, prefix_lens + correct + 1, correct
+
+
+def _plain_step(graphdef, state, kv, tokens, positions):
+    """One greedy decode step of the target: ``[B]`` tokens at ``[B]`` positions."""
+    target = nnx.merge(graphdef, state)
+    logits, _, kv = target(tokens[:, None], positions[:, None], kv)
+    return kv, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), positions + 1
+
+
+def _verify(graphdef, state, kv, tokens, positions, feature_layers):
+    target = nnx.merge(graphdef, state)
+    logits, features, kv = target(tokens, positions, kv, feature_layers=feature_layers)
+    return kv, logits, features
+
+
+def bench_e2e(
+    shapes: BenchShapes, *, target_layers: int, tau: float, rounds: int, seed: int = 0, batch: int = 1
+) -> dict[str, Any]:
+    """Plain against speculative decoding with accepted lengths forced to mean ``tau``.
+
+    Both decode greedily from a ``context``-token prefix held in random caches; every
+    step or round is waited for before the next (as a server streaming tokens does).
+    The ideal speed-up from measured parts is ``τ · t_plain_step / (t_propose + t_verify)``.
+    """
+    from dspark_jax.proposal import propose
+
+    dcfg = draft_config(shapes)
+    tcfg = target_config(shapes, target_layers)
+    if tcfg.num_hidden_layers <= dcfg.target_layer_ids[-1]:
+        dcfg = dataclasses.replace(
+            dcfg,
+            target_layer_ids=tuple(np.linspace(0, tcfg.num_hidden_layers - 1, dcfg.num_fused_layers).astype(int)),
+            num_target_layers=tcfg.num_hidden_layers,
+        )
+    target = Qwen3Target(tcfg, rngs=nnx.Rngs(seed))
+    t_graphdef, t_state = nnx.split(target)
+    d_graphdef, d_state = build_draft(dcfg, seed + 1, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    t = dcfg.gamma + 1
+    context = shapes.context
+    capacity = context + (rounds + 8) * t
+    keys = jax.random.split(jax.random.key(seed + 2), 4)
+    kv_shape = (tcfg.num_hidden_layers, batch, capacity, tcfg.num_key_value_heads, tcfg.head_dim)
+    make = jax.jit(lambda k: jax.random.normal(k, kv_shape, tcfg.jnp_dtype))
+    start = jnp.full((batch,), context, jnp.int32)
+    first = jax.random.randint(keys[2], (batch,), 0, tcfg.vocab_size, jnp.int32)
+    probs = jnp.asarray(forced_accept_probs(tau, dcfg.gamma), jnp.float32)
+
+    # Plain decoding.
+    plain = jax.jit(_plain_step, static_argnums=0, donate_argnums=2)
+    kv = KVCache(k=make(keys[0]), v=make(keys[1]))
+    tok, pos = first, start
+    plain_ms = []
+    for i in range(rounds * 2 + 3):
+        t0 = time.perf_counter()
+        kv, tok, pos = jax.block_until_ready(plain(t_graphdef, t_state, kv, tok, pos))
+        if i >= 3:
+            plain_ms.append((time.perf_counter() - t0) * 1e3)
+
+    # The parts: greedy propose and the γ + 1 verify forward, each alone.
+    ctx = random_context(dcfg, batch, capacity, keys[3])
+    folded = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    zeros, ones = jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.int32)
+    t_propose = time_call(
+        lambda: folded(d_graphdef, d_state, ctx, first, start, zeros, ones, keys[0], fold_sampling=False),
+        iters=rounds,
+    )["median_ms"]
+    verify = jax.jit(_verify, static_argnums=(0, 5), donate_argnums=2)
+    vtokens = jnp.broadcast_to(first[:, None], (batch, t))
+    vpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)
+    verify_ms = []
+    for i in range(rounds + 3):
+        t0 = time.perf_counter()
+        kv, *_ = jax.block_until_ready(verify(t_graphdef, t_state, kv, vtokens, vpos, dcfg.target_layer_ids))
+        if i >= 3:
+            verify_ms.append((time.perf_counter() - t0) * 1e3)
+    t_verify = float(np.median(verify_ms))
+
+    # Speculative decoding.
+    spec = jax.jit(_spec_round, static_argnums=(0, 2), donate_argnums=(4, 5))
+    bonus, prefix = first, start
+    round_ms, accepted = [], []
+    for i in range(rounds + 3):
+        t0 = time.perf_counter()
+        kv, ctx, bonus, prefix, correct = jax.block_until_ready(
+            spec(t_graphdef, t_state, d_graphdef, d_state, kv, ctx, bonus, prefix, jax.random.key(i), probs)
+        )
+        if i >= 3:
+            round_ms.append((time.perf_counter() - t0) * 1e3)
+            accepted.append(np.asarray(correct) + 1)
+    t_plain = float(np.median(plain_ms))
+    tau_measured = float(np.mean(accepted))
+    plain_tps = batch * 1e3 / float(np.mean(plain_ms))
+    spec_tps = float(np.sum(accepted)) * 1e3 / float(np.sum(round_ms))
+    ideal = tau_measured * t_plain / (t_propose + t_verify)
+    achieved = spec_tps / plain_tps
+    return {
+        "batch": batch,
+        "target_layers": tcfg.num_hidden_layers,
+        "context": context,
+        "rounds": rounds,
+        "tau_forced_mean": tau,
+        "tau_measured": tau_measured,
+        "plain_step_ms": t_plain,
+        "propose_ms": t_propose,
+        "verify_ms": t_verify,
+        "round_ms": float(np.median(round_ms)),
+        "plain_tokens_per_s": plain_tps,
+        "spec_tokens_per_s": spec_tps,
+        "speedup": achieved,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": achieved / ideal,
+    }
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The printed summary of a :func:`main` result."""
+    lines = []
+    ceil = result.get("ceilings")
+    if ceil:
+        lines.append(
+            f"ceilings: elementwise {ceil['elementwise_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
+            "(floor = max(bytes / elementwise bandwidth, FLOPs / matmul rate); floor_copy uses the copy bandwidth)"
+        )
+    torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
+    header = (
+        f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p10':>8} {'p90':>8} {'floor':>7} "
+        f"{'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} {'graph/jax':>9}"
+    )
+    lines += ["propose latency, ms (median of timed calls)", header, "-" * len(header)]
+    for r in result.get("propose", []):
+        key = (r["batch"], r["mode"])
+        graph = torch_rows.get((*key, "graph")) if r["path"] == "folded" else None
+        lines.append(
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p10_ms']:>8.3f} "
+            f"{r['p90_ms']:>8.3f} {_fmt(r.get('floor_ms')):>7} {r.get('floor_bound', '-'):<5} "
+            f"{_fmt(r['median_ms'] / r['floor_ms'] if r.get('floor_ms') else None, '.2f'):>7} "
+            f"{_fmt(r.get('floor_copy_ms')):>10} "
+            f"{_fmt(torch_rows.get((*key, 'eager')) if r['path'] == 'folded' else None):>11} "
+            f"{_fmt(graph):>11} {_fmt(graph / r['median_ms'] if graph else None, '.2f'):>9}"
+        )
+    if "error" in result.get("torch", {}):
+        lines.append(f"torch baseline failed: {result['torch']['error'].strip().splitlines()[-1]}")
+    comp = result.get("compile")
+    if comp:
+        for run in ("cold", "cached"):
+            c = comp.get(run, {})
+            if "error" in c:
+                lines.append(f"compile ({run}): failed: {c['error'].strip().splitlines()[-1]}")
+            elif c:
+                per = ", ".join(
+                    f"{b['batch']}{'s' if b['fold_sampling'] else 'g'} {b['seconds']:.1f}" for b in c["buckets"]
+                )
+                lines.append(
+                    f"compile ({run}): {c['total_seconds']:.1f} s for {len(c['buckets'])} programs "
+                    f"(process {c['process_seconds']:.1f} s); per bucket (s = sampling folded, g = greedy): {per}"
+                )
+    for m in result.get("memory", []):
+        lines.append(
+            "memory batch {batch}: in use before {b} GB, peak after greedy-only {g} GB, after folded {f} GB".format(
+                batch=m["batch"],
+                b=_fmt(_gb(m.get("in_use_before_bytes")), ".2f"),
+                g=_fmt(_gb(m.get("peak_after_folded_greedy_bytes")), ".2f"),
+                f=_fmt(_gb(m.get("peak_after_folded_bytes")), ".2f"),
+            )
+        )
+    e2e = result.get("e2e")
+    if e2e:
+        lines.append(
+            f"e2e batch {e2e['batch']} ({e2e['target_layers']}-layer target, context {e2e['context']}): "
+            f"plain {e2e['plain_tokens_per_s']:.1f} tok/s ({e2e['plain_step_ms']:.2f} ms/step), "
+            f"speculative {e2e['spec_tokens_per_s']:.1f} tok/s ({e2e['round_ms']:.2f} ms/round, "
+            f"tau {e2e['tau_measured']:.2f}); speed-up {e2e['speedup']:.2f}x against ideal "
+            f"{e2e['ideal_speedup']:.2f}x (propose {e2e['propose_ms']:.2f} + verify {e2e['verify_ms']:.2f} ms) "
+            f"= {100 * e2e['fraction_of_ideal']:.0f}% of ideal"
+        )
+    return "\n".join(lines)
+
+
+def _gb(value: int | None) -> float | None:
+    return None if value is None else value / 1e9
+
+
+# --------------------------------------------------------------------------- command line
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batches={text!r} is invalid: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--batches={text!r} is invalid: every batch must be >= 1")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax bench`` flags."""
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="8b", help="model shapes (default 8b)")
+    parser.add_argument("--batches", type=_batches, default=None, help="comma-separated batch sizes")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    parser.add_argument("--eager-iters", type=int, default=None, help="timed eager calls (0 skips eager)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
+    parser.add_argument("--max-batch", type=int, default=None, help="largest precompiled bucket (default max batch)")
+    parser.add_argument("--profile", action="store_true", help="record device time per kernel (GPU)")
+    parser.add_argument("--e2e", action="store_true", help="also run plain vs speculative decoding")
+    parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
+    parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
+    parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark described by parsed ``args``; prints the table, writes JSON."""
+    if args.xla_flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    shapes = SHAPES[args.shapes]
+    batches = args.batches or shapes.batches
+    iters = args.iters or shapes.iters
+    eager_iters = max(2, iters // 10) if args.eager_iters is None else args.eager_iters
+    for name, value in (("--iters", iters), ("--max-batch", args.max_batch or 1)):
+        if value < 1:
+            raise ValueError(f"{name}={value} is invalid: must be >= 1")
+    if args.compile_worker:
+        print(json.dumps(_compile_worker(shapes, args.max_batch or max(batches))))
+        return 0
+    result: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": "dspark-jax bench " + " ".join(sys.argv[1:]),
+            "shapes": shapes.name,
+            "draft": {k: list(v) if isinstance(v, tuple) else v for k, v in shapes.draft.items()},
+            "context": shapes.context,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "jax": jax.__version__,
+        }
+    }
+    # Subprocesses first: this process's device allocator must not hold the memory yet.
+    if not args.no_torch:
+        result["torch"] = bench_torch(shapes, batches, iters)
+    if not args.no_compile:
+        result["compile"] = bench_compile(shapes, args.max_batch or max(batches))
+    device = jax.devices()[0]
+    result["meta"].update(backend=jax.default_backend(), device=device.device_kind)
+    result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
+    cfg = draft_config(shapes)
+    graphdef, state = build_draft(cfg)
+    result["propose"], result["memory"] = bench_propose(
+        cfg,
+        graphdef,
+        state,
+        batches=batches,
+        context=shapes.context,
+        iters=iters,
+        eager_iters=eager_iters,
+        ceilings=result["ceilings"],
+        profile=args.profile,
+    )
+    del graphdef, state
+    if args.e2e:
+        result["e2e"] = bench_e2e(
+            shapes, target_layers=args.e2e_layers or shapes.target_layers, tau=args.tau, rounds=shapes.e2e_steps
+        )
+    print(format_table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m dspark_jax.bench`` or ``dspark-jax bench``."""
+    parser = argparse.ArgumentParser(prog="dspark-jax bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,526 @@
+"""Batched speculative generation with a DSpark draft, and the plain decoding baseline.
+
+Shape legend: B requests, P padded prompt length, C cache capacity, γ drafts per round,
+T = γ + 1 verify width, N output buffer length, V vocabulary.
+
+Compiled calls: :func:`speculative_generate` runs ONE compiled call to start (target
+prefill, draft context prefill, the first target token) and then ONE compiled call per
+round: propose ``d_1 … d_γ`` from the bonus, verify ``[bonus, d_1 … d_γ]`` with the
+target, accept, and commit the accepted positions into the draft context cache, all
+inside one ``jax.jit`` with the decode state (both caches) donated. The Python loop
+between rounds only reads the ``[B]`` done flags. :func:`generate` (the baseline) runs
+one compiled call to start and one per token.
+
+Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
+when ``top_k <= 1`` or its temperature is 0. Finished requests stop changing: their
+cache writes, output and statistics are masked. Outputs are cut after the first stop
+token (which is kept) and at ``max_new_tokens``. Prompts are right-padded; each row has
+its own positions, and padding is never cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dspark_jax.accept import accept, sample_tokens
+from dspark_jax.cache import ContextCache, init_context_cache
+from dspark_jax.commit import commit, prefill
+from dspark_jax.proposal import propose_with
+from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.target import check_pair
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """Generated tokens and decoding statistics.
+
+    Attributes:
+      tokens: per request, the new tokens (prompt excluded), cut after the first stop
+        token and at its ``max_new_tokens``.
+      rounds: compiled rounds run after the start (decode steps for :func:`generate`).
+      tau: per request, mean tokens committed per round it took part in (accepted
+        drafts + bonus, before the final cut); NaN for a request that needed no round.
+      tau_overall: total committed tokens / total request-rounds.
+      acceptance_by_position: ``[γ]`` fraction of request-rounds whose draft ``k``
+        (1-based position ``k + 1``) was accepted; empty for :func:`generate`.
+      accept_length_counts: ``[γ + 1]`` request-rounds with ``correct_len = 0 … γ``.
+      seconds: wall time of the call, compilation included.
+    """
+
+    tokens: list[list[int]]
+    rounds: int
+    tau: list[float]
+    tau_overall: float
+    acceptance_by_position: list[float]
+    accept_length_counts: list[int]
+    seconds: float
+
+
+@struct.dataclass
+class Requests:
+    """Per-request sampling parameters, ``[B]`` each (``stop`` is ``[B, S]``, −1 padded)."""
+
+    temperatures: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    max_new: jax.Array
+    stop: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a round reads and writes (donated to the round)."""
+
+    target_cache: Any
+    context: ContextCache
+    prefix_lens: jax.Array  # [B] position of the bonus
+    bonus: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    out: jax.Array  # [B, N] int32
+    n_out: jax.Array  # [B] tokens written to out
+    key: jax.Array
+    rounds: jax.Array  # [B] rounds each request took part in
+    accept_counts: jax.Array  # [B, γ + 1] histogram of correct_len
+
+
+# ------------------------------------------------------------------ validation
+def _per_request(name: str, value: Any, batch: int) -> list:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != batch:
+            raise ValueError(f"{name} has {len(value)} entries: expected one per prompt ({batch}) or a single value")
+        return list(value)
+    return [value] * batch
+
+
+def _requests(
+    prompts: Sequence[Sequence[int]],
+    vocab_size: int,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    stop_tokens,
+) -> tuple[np.ndarray, np.ndarray, Requests]:
+    """Validates the inputs on the host; returns ``(tokens [B, P], lengths [B], requests)``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts={prompts!r} is invalid: expected a non-empty list of token id lists")
+    batch = len(prompts)
+    rows = []
+    for b, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompts[{b}] is empty or not a flat list of token ids: every prompt needs >= 1 token")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"prompts[{b}] has dtype {ids.dtype}: expected integer token ids")
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"prompts[{b}][{i}]={int(ids[i])} is outside the vocabulary: 0 <= id < {vocab_size}")
+        rows.append(ids)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    width = _bucket(int(lengths.max()))
+    tokens = np.zeros((batch, width), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+
+    max_new = _per_request("max_new_tokens", max_new_tokens, batch)
+    for b, m in enumerate(max_new):
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"max_new_tokens[{b}]={m!r} is invalid: must be an integer >= 1")
+    temps = _per_request("temperature", temperature, batch)
+    for b, t in enumerate(temps):
+        if not isinstance(t, (int, float, np.number)) or not np.isfinite(t) or t < 0:
+            raise ValueError(f"temperature[{b}]={t!r} is invalid: must be a finite number >= 0 (0 = greedy)")
+    ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]
+    for b, k in enumerate(ks):
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"top_k[{b}]={k!r} is invalid: must be None (no top-k) or an integer >= 1 (1 = greedy)")
+    ps = [1.0 if p is None else p for p in _per_request("top_p", top_p, batch)]
+    for b, p in enumerate(ps):
+        if not isinstance(p, (int, float, np.number)) or not 0 < p <= 1:
+            raise ValueError(f"top_p[{b}]={p!r} is invalid: must be a number in (0, 1]")
+    if stop_tokens is None:
+        stops = [[] for _ in range(batch)]
+    elif all(isinstance(s, (int, np.integer)) for s in stop_tokens):
+        stops = [list(stop_tokens)] * batch
+    else:
+        stops = [list(s) for s in _per_request("stop_tokens", list(stop_tokens), batch)]
+    for b, s in enumerate(stops):
+        for t in s:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+                raise ValueError(f"stop_tokens[{b}] contains {t!r}: stop tokens must be ids in [0, {vocab_size})")
+    stop = np.full((batch, max(1, max(len(s) for s in stops))), -1, np.int32)
+    for b, s in enumerate(stops):
+        stop[b, : len(s)] = s
+    requests = Requests(
+        temperatures=jnp.asarray(np.array(temps, np.float32)),
+        top_k=jnp.asarray(np.array(ks, np.int32)),
+        top_p=jnp.asarray(np.array(ps, np.float32)),
+        max_new=jnp.asarray(np.array(max_new, np.int32)),
+        stop=jnp.asarray(stop),
+    )
+    return tokens, lengths, requests
+
+
+def _bucket(n: int, step: int = 16) -> int:
+    """Rounds a static length up to a multiple of ``step`` so nearby sizes share compilations."""
+    return -(-n // step) * step
+
+
+def _capacity(capacity: int | None, lengths: np.ndarray, max_new: np.ndarray, extra: int) -> int:
+    need = int((lengths + max_new).max()) + extra
+    if capacity is None:
+        return _bucket(need)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
+        b = int(np.argmax(lengths + max_new))
+        raise ValueError(
+            f"capacity={capacity!r} is too small: prompt {b} has {int(lengths[b])} tokens and may generate "
+            f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens + {extra})"
+        )
+    return capacity
+
+
+def _check_key(key: Any) -> None:
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and key.shape == ()
+    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
+    if not (typed or raw):
+        raise TypeError(f"key={key!r} is invalid: expected one PRNG key (jax.random.key(seed) or PRNGKey(seed))")
+
+
+# ------------------------------------------------------------------ shared pieces
+def _emit(state_out, n_out, tokens, count, done, requests):
+    """Appends ``tokens[b, :count[b]]`` to each row's output; returns ``(out, n_out, done)``."""
+    b, t = tokens.shape
+    j = jnp.arange(t, dtype=jnp.int32)
+    written = j[None, :] < count[:, None]  # [B, T]
+    idx = jnp.where(written, n_out[:, None] + j[None, :], state_out.shape[1])
+    out = state_out.at[jnp.arange(b)[:, None], idx].set(tokens, mode="drop")
+    n_out = n_out + count
+    hit = (tokens[:, :, None] == requests.stop[:, None, :]) & written[:, :, None]  # [B, T, S]
+    done = done | jnp.any(hit, axis=(1, 2)) | (n_out >= requests.max_new)
+    return out, n_out, done
+
+
+def _prefill_target(target, tokens, lengths, capacity, feature_layers):
+    """Runs the padded prompts; returns ``(last-token logits [B, V], features, cache)``."""
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    valid = positions < lengths[:, None]
+    logits, features, cache = target(
+        tokens, positions, target.init_cache(b, capacity), valid=valid, feature_layers=feature_layers
+    )
+    return logits[jnp.arange(b), lengths - 1], features, cache
+
+
+# ------------------------------------------------------------------ speculative
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "capacity", "out_len", "feature_layers"))
+def _start(
+    target_state,
+    draft_state,
+    tokens,
+    lengths,
+    requests: Requests,
+    key,
+    *,
+    target_def,
+    draft_def,
+    capacity: int,
+    out_len: int,
+    feature_layers: tuple[int, ...],
+) -> DecodeState:
+    target = nnx.merge(target_def, target_state)
+    draft = nnx.merge(draft_def, draft_state)
+    b = tokens.shape[0]
+    last_logits, features, target_cache = _prefill_target(target, tokens, lengths, capacity, feature_layers)
+    context = prefill(draft, init_context_cache(draft.cfg, b, capacity), features, lengths)
+    key, k_first = jax.random.split(key)
+    first = sample_tokens(last_logits, requests.temperatures, requests.top_k, requests.top_p, k_first)  # [B]
+    out, n_out, done = _emit(
+        jnp.zeros((b, out_len), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        first[:, None],
+        jnp.ones((b,), jnp.int32),
+        jnp.zeros((b,), bool),
+        requests,
+    )
+    gamma = draft.cfg.gamma
+    return DecodeState(
+        target_cache=target_cache,
+        context=context,
+        prefix_lens=lengths,
+        bonus=first,
+        done=done,
+        out=out,
+        n_out=n_out,
+        key=key,
+        rounds=jnp.zeros((b,), jnp.int32),
+        accept_counts=jnp.zeros((b, gamma + 1), jnp.int32),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("target_def", "draft_def", "fold_sampling", "feature_layers"),
+    donate_argnames=("state",),
+)
+def _round(
+    target_state,
+    draft_state,
+    state: DecodeState,
+    requests: Requests,
+    *,
+    target_def,
+    draft_def,
+    fold_sampling: bool,
+    feature_layers: tuple[int, ...],
+) -> DecodeState:
+    """Propose + verify + accept + commit, one compiled call."""
+    target = nnx.merge(target_def, target_state)
+    draft = nnx.merge(draft_def, draft_state)
+    active = ~state.done  # [B]
+    key, k_prop, k_accept = jax.random.split(state.key, 3)
+    block = propose_with(
+        draft,
+        state.context,
+        state.bonus,
+        state.prefix_lens,
+        requests.temperatures,
+        requests.top_k,
+        k_prop,
+        fold_sampling=fold_sampling,
+    )
+    b, gamma = block.draft_tokens.shape
+    tokens = jnp.concatenate([state.bonus[:, None], block.draft_tokens], axis=1)  # [B, T]
+    positions = state.prefix_lens[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B, T]
+    valid = jnp.broadcast_to(active[:, None], tokens.shape)
+    logits, features, target_cache = target(
+        tokens, positions, state.target_cache, valid=valid, feature_layers=feature_layers
+    )
+    correct_len, bonus = accept(logits, block, top_k=requests.top_k, top_p=requests.top_p, key=k_accept)
+    context, prefix_lens = commit(draft, state.context, features, state.prefix_lens, correct_len, active=active)
+    # This round's tokens: the accepted drafts, then the bonus at index correct_len.
+    slot = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+    emitted = jnp.concatenate([block.draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(slot == correct_len[:, None], bonus[:, None], emitted)  # [B, T]
+    count = jnp.where(active, correct_len + 1, 0)
+    out, n_out, done = _emit(state.out, state.n_out, emitted, count, state.done, requests)
+    bonus = jnp.where(active, bonus, state.bonus)
+    hit = (slot == correct_len[:, None]) & active[:, None]
+    return DecodeState(
+        target_cache=target_cache,
+        context=context,
+        prefix_lens=prefix_lens,
+        bonus=bonus,
+        done=done,
+        out=out,
+        n_out=n_out,
+        key=key,
+        rounds=state.rounds + active.astype(jnp.int32),
+        accept_counts=state.accept_counts + hit.astype(jnp.int32),
+    )
+
+
+def speculative_generate(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | None | Sequence[int | None] = None,
+    top_p: float | Sequence[float] = 1.0,
+    stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    key: jax.Array,
+    capacity: int | None = None,
+) -> GenerationResult:
+    """Generates with the draft proposing and the target verifying; output is the target's.
+
+    Args:
+      target: a :class:`~dspark_jax.target.Target` (e.g. ``Qwen3Target``).
+      draft: a :class:`~dspark_jax.draft.DSparkDraft` that borrows the target's
+        embedding and lm_head.
+      prompts: ``B`` lists of token ids, each non-empty, of any lengths.
+      max_new_tokens: new tokens per request (one value or one per request).
+      temperature: 0 = greedy; one value or one per request.
+      top_k: ``None`` = no top-k, 1 = greedy; one value or one per request.
+      top_p: nucleus mass in ``(0, 1]``; one value or one per request.
+      stop_tokens: ids that end a request (one list for all, or one list per request).
+      key: one PRNG key (used only by sampling requests).
+      capacity: cache positions per request; default prompt + max_new_tokens + γ + 1,
+        rounded up.
+
+    Returns:
+      A :class:`GenerationResult`.
+
+    Raises:
+      ValueError / TypeError: bad input, before anything is compiled.
+    """
+    started = time.perf_counter()
+    check_pair(draft.cfg, target.config)
+    gamma = draft.cfg.gamma
+    tokens, lengths, requests = _requests(
+        prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
+    )
+    _check_key(key)
+    max_new = np.asarray(requests.max_new)
+    capacity = _capacity(capacity, lengths, max_new, gamma + 1)
+    fold = not bool(np.all((np.asarray(requests.top_k) <= 1) | (np.asarray(requests.temperatures) == 0)))
+    target_def, target_state = nnx.split(target)
+    draft_def, draft_state = nnx.split(draft)
+    static = dict(target_def=target_def, draft_def=draft_def, feature_layers=tuple(draft.cfg.target_layer_ids))
+    state = _start(
+        target_state,
+        draft_state,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        requests,
+        key,
+        capacity=capacity,
+        out_len=_bucket(int(max_new.max()) + gamma + 1),
+        **static,
+    )
+    rounds = 0
+    # Each round commits >= 1 token per active request, so max_new rounds always suffice.
+    while not bool(jnp.all(state.done)) and rounds < int(max_new.max()):
+        state = _round(target_state, draft_state, state, requests, fold_sampling=fold, **static)
+        rounds += 1
+    return _result(state, max_new, requests, rounds, started, gamma)
+
+
+def _result(state, max_new, requests, rounds, started, gamma) -> GenerationResult:
+    out, n_out = np.asarray(state.out), np.asarray(state.n_out)
+    stop = np.asarray(requests.stop)
+    tokens = []
+    for b in range(out.shape[0]):
+        row = out[b, : min(int(n_out[b]), int(max_new[b]))].tolist()
+        stops = set(stop[b][stop[b] >= 0].tolist())
+        for i, t in enumerate(row):
+            if t in stops:
+                row = row[: i + 1]
+                break
+        tokens.append(row)
+    seconds = time.perf_counter() - started
+    if gamma == 0:
+        return GenerationResult(tokens, rounds, [1.0] * len(tokens), 1.0, [], [], seconds)
+    per_rounds = np.asarray(state.rounds)
+    counts = np.asarray(state.accept_counts)  # [B, γ + 1]
+    committed = counts @ np.arange(1, gamma + 2)  # [B]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = (committed / per_rounds).tolist()
+    total = counts.sum(0)
+    n = max(int(total.sum()), 1)
+    accepted_at = [float(total[k:].sum() / n) for k in range(1, gamma + 1)]
+    return GenerationResult(
+        tokens=tokens,
+        rounds=rounds,
+        tau=tau,
+        tau_overall=float(committed.sum() / n) if total.sum() else float("nan"),
+        acceptance_by_position=accepted_at,
+        accept_length_counts=total.tolist(),
+        seconds=seconds,
+    )
+
+
+# ------------------------------------------------------------------ plain baseline
+@struct.dataclass
+class _PlainState:
+    cache: Any
+    next_pos: jax.Array  # [B] position of the last emitted token
+    last: jax.Array  # [B] last emitted token
+    done: jax.Array
+    out: jax.Array
+    n_out: jax.Array
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "capacity", "out_len"))
+def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, capacity, out_len) -> _PlainState:
+    target = nnx.merge(target_def, target_state)
+    b = tokens.shape[0]
+    last_logits, _, cache = _prefill_target(target, tokens, lengths, capacity, ())
+    key, k_first = jax.random.split(key)
+    first = sample_tokens(last_logits, requests.temperatures, requests.top_k, requests.top_p, k_first)
+    out, n_out, done = _emit(
+        jnp.zeros((b, out_len), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        first[:, None],
+        jnp.ones((b,), jnp.int32),
+        jnp.zeros((b,), bool),
+        requests,
+    )
+    return _PlainState(cache=cache, next_pos=lengths, last=first, done=done, out=out, n_out=n_out, key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def",), donate_argnames=("state",))
+def _plain_step(target_state, state: _PlainState, requests, *, target_def) -> _PlainState:
+    target = nnx.merge(target_def, target_state)
+    active = ~state.done
+    logits, _, cache = target(
+        state.last[:, None], state.next_pos[:, None], state.cache, valid=active[:, None], feature_layers=()
+    )
+    key, k_tok = jax.random.split(state.key)
+    tok = sample_tokens(logits[:, 0], requests.temperatures, requests.top_k, requests.top_p, k_tok)
+    out, n_out, done = _emit(state.out, state.n_out, tok[:, None], active.astype(jnp.int32), state.done, requests)
+    return _PlainState(
+        cache=cache,
+        next_pos=state.next_pos + active.astype(jnp.int32),
+        last=jnp.where(active, tok, state.last),
+        done=done,
+        out=out,
+        n_out=n_out,
+        key=key,
+    )
+
+
+def generate(
+    target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | None | Sequence[int | None] = None,
+    top_p: float | Sequence[float] = 1.0,
+    stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    key: jax.Array,
+    capacity: int | None = None,
+) -> GenerationResult:
+    """Plain autoregressive decoding with the target alone (the baseline).
+
+    Same arguments and sampling semantics as :func:`speculative_generate` (so greedy
+    outputs compare token for token); ``rounds`` counts decode steps after the first
+    token, ``tau`` is 1.
+    """
+    started = time.perf_counter()
+    tokens, lengths, requests = _requests(
+        prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
+    )
+    _check_key(key)
+    max_new = np.asarray(requests.max_new)
+    capacity = _capacity(capacity, lengths, max_new, 1)
+    target_def, target_state = nnx.split(target)
+    state = _plain_start(
+        target_state,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        requests,
+        key,
+        target_def=target_def,
+        capacity=capacity,
+        out_len=_bucket(int(max_new.max()) + 1),
+    )
+    steps = 0
+    while not bool(jnp.all(state.done)) and steps < int(max_new.max()):
+        state = _plain_step(target_state, state, requests, target_def=target_def)
+        steps += 1
+    result = _result(state, max_new, requests, steps, started, 0)
+    return dataclasses.replace(result, tau=[1.0] * len(result.tokens))

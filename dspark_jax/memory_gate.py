@@ -1,0 +1,193 @@
+"""The folded-sampling memory gate: fold sampling into the compiled round only if it fits.
+
+Folding sampling into the compiled draft round costs, at the largest batch bucket,
+the exponential noise ``[max_bs, V]`` float32 plus the corrected logits
+``[max_bs, γ, V]`` that the accept step needs (``DSPARK_SPEC.md`` §3). dspark_jax keeps
+the corrected logits in float32 (``logits_itemsize = 4``), so the closed form is
+``max_bs·V·4 + max_bs·γ·V·4`` bytes.
+
+``FoldedSampling``:
+
+* ``OFF`` — greedy-only folding; sampling batches take the eager path.
+* ``FORCE`` — fold sampling regardless of memory.
+* ``AUTO`` (default) — fold sampling only when the device keeps at least ``headroom``
+  (1 GiB) free after the estimate; otherwise behave as ``OFF`` and warn once, naming
+  ``DSPARK_JAX_FOLDED_SAMPLING=FORCE``.
+
+The mode comes from the argument, else from the environment variable
+``DSPARK_JAX_FOLDED_SAMPLING`` (``off`` / ``auto`` / ``force``, any case), else AUTO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any
+
+import jax
+
+ENV_VAR = "DSPARK_JAX_FOLDED_SAMPLING"
+GIB = 1 << 30
+
+
+class FoldedSampling(enum.Enum):
+    """Whether sampling rows are folded into the compiled draft round."""
+
+    OFF = "off"
+    AUTO = "auto"
+    FORCE = "force"
+
+    @classmethod
+    def resolve(cls, mode: FoldedSampling | str | None = None) -> FoldedSampling:
+        """The mode from ``mode``, else ``$DSPARK_JAX_FOLDED_SAMPLING``, else AUTO.
+
+        Raises:
+          ValueError: an unknown mode string (naming the argument or the variable).
+        """
+        if isinstance(mode, cls):
+            return mode
+        source = "folded_sampling"
+        if mode is None:
+            mode = os.environ.get(ENV_VAR)
+            source = ENV_VAR
+            if mode is None or mode.strip() == "":
+                return cls.AUTO
+        if isinstance(mode, str):
+            try:
+                return cls(mode.strip().lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(m.value for m in cls)
+        raise ValueError(f"{source}={mode!r} is invalid: must be one of {allowed} (any case)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateDecision:
+    """The gate's decision and the numbers behind it (all sizes in bytes).
+
+    Attributes:
+      mode: the resolved mode.
+      enabled: True when sampling is folded into the compiled round.
+      closed_form_bytes: ``max_bs·V·4 + max_bs·γ·V·itemsize``.
+      compiled_bytes: what folding sampling adds to the compiled round at the largest
+        bucket according to XLA's memory analysis, or None when not measured.
+      free_bytes: free memory on the device (or host RAM on CPU), or None when unknown.
+      headroom: bytes that must stay free.
+      reason: one line saying why.
+    """
+
+    mode: FoldedSampling
+    enabled: bool
+    closed_form_bytes: int
+    compiled_bytes: int | None
+    free_bytes: int | None
+    headroom: int
+    reason: str
+
+    @property
+    def needed_bytes(self) -> int:
+        """The estimate the gate compares: the larger of the two when both exist."""
+        return max(self.closed_form_bytes, self.compiled_bytes or 0)
+
+
+def closed_form_bytes(*, max_batch: int, gamma: int, vocab: int, logits_itemsize: int = 4) -> int:
+    """``max_bs·V·4`` (float32 noise) plus ``max_bs·γ·V·itemsize`` (corrected logits)."""
+    return max_batch * vocab * 4 + max_batch * gamma * vocab * logits_itemsize
+
+
+def free_device_bytes(device: Any = None) -> int | None:
+    """Free memory on ``device`` (default: the first device).
+
+    Uses ``device.memory_stats()`` (``bytes_limit − bytes_in_use``) where the backend
+    reports it; on CPU, ``MemAvailable`` from ``/proc/meminfo``, else
+    ``os.sysconf`` available pages. None when nothing is known.
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def executable_bytes(compiled: Any) -> int | None:
+    """Temporary plus output bytes of a compiled executable, or None if not reported.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+
+
+def plan_folded_sampling(
+    mode: FoldedSampling | str | None = None,
+    *,
+    max_batch: int,
+    gamma: int,
+    vocab: int,
+    logits_itemsize: int = 4,
+    free_bytes: int | None = None,
+    compiled_bytes: int | None = None,
+    headroom: int = GIB,
+) -> GateDecision:
+    """Decides whether sampling is folded into the compiled round.
+
+    Args:
+      mode: ``FoldedSampling``, its name, or None (environment variable, else AUTO).
+      max_batch: the largest batch bucket.
+      gamma: drafts per round.
+      vocab: ``V``.
+      logits_itemsize: bytes per corrected logit (4: dspark_jax keeps them float32).
+      free_bytes: free memory; measured with :func:`free_device_bytes` when None.
+      compiled_bytes: what folding sampling adds per XLA's memory analysis, if known.
+      headroom: bytes that must stay free (1 GiB).
+
+    Returns:
+      The :class:`GateDecision`.
+    """
+    mode = FoldedSampling.resolve(mode)
+    closed = closed_form_bytes(max_batch=max_batch, gamma=gamma, vocab=vocab, logits_itemsize=logits_itemsize)
+    if free_bytes is None and mode is FoldedSampling.AUTO:
+        free_bytes = free_device_bytes()
+    return _decide(mode, closed, compiled_bytes, free_bytes, headroom)
+
+
+def _decide(mode: FoldedSampling, closed: int, compiled: int | None, free: int | None, headroom: int) -> GateDecision:
+    needed = max(closed, compiled or 0)
+    if mode is FoldedSampling.OFF:
+        enabled, reason = False, "OFF: greedy-only folding; sampling batches run eagerly"
+    elif mode is FoldedSampling.FORCE:
+        enabled, reason = True, "FORCE: sampling folded regardless of memory"
+    elif free is None:
+        enabled, reason = False, "AUTO: free memory unknown, so greedy-only folding"
+    elif free - needed >= headroom:
+        enabled = True
+        reason = f"AUTO: {free - needed} bytes stay free after {needed} for sampling (headroom {headroom})"
+    else:
+        enabled = False
+        reason = f"AUTO: only {free - needed} bytes would stay free after {needed} for sampling (headroom {headroom})"
+    return GateDecision(
+        mode=mode,
+        enabled=enabled,
+        closed_form_bytes=closed,
+        compiled_bytes=compiled,
+        free_bytes=free,
+        headroom=headroom,
+        reason=reason,
+    )

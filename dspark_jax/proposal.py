@@ -1,0 +1,487 @@
+"""One draft round: block ids → backbone → base logits → Markov walk → confidence.
+
+Shape legend: B batch, R query rows (γ or γ+1), γ draft slots, V vocabulary, H hidden,
+C context capacity, L draft layers, KVH key/value heads, D head dim, r Markov rank.
+
+Two ways to run the same maths (``DSPARK_SPEC.md`` §1, §3):
+
+* **folded** — :func:`propose` / :func:`propose_with`: pure and jittable; the embedding
+  lookup, backbone, base logits, the whole Markov walk with in-graph sampling and the
+  confidence head trace into one computation (wrap them in ``jax.jit``, or call them from
+  inside your own jitted round).
+* **eager** — :func:`propose_eager`: the same stages run one after the other as small
+  jitted pieces (backbone, one walk step at a time, finish), the fallback when folded
+  sampling is gated off and the reference for parity tests. Given the same key both pick
+  the same tokens.
+
+``fold_sampling=False`` folds greedy-only: every row is drafted greedily (``greedy_mask``
+is all True; the caller routes sampling rows elsewhere), no noise is drawn and
+``corrected_logits`` is an empty ``[B, γ, 0]`` array so the pytree structure is stable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dspark_jax.cache import ContextCache, context_mask
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.markov import markov_walk
+from dspark_jax.sampling import (
+    TOP_K_ALL,
+    clamp_temperatures,
+    greedy_rows,
+    greedy_step,
+    key_rows,
+    row_keys,
+    sample_step,
+    step_keys,
+)
+
+
+@struct.dataclass
+class DraftBlock:
+    """One round's proposal.
+
+    Attributes:
+      draft_tokens: ``[B, γ]`` int32 drafts ``d_1 … d_γ``.
+      corrected_logits: ``[B, γ, V]`` float32 Markov-corrected step logits (before the
+        temperature); ``[B, γ, 0]`` when sampling was not folded.
+      greedy_mask: ``[B]`` bool, True for rows drafted greedily.
+      temperatures: ``[B]`` float32 temperatures, clamped below at 1e-5.
+      confidence: ``[B, γ]`` float32 acceptance probabilities; ``[B, 0]`` when the draft
+        has no confidence head.
+    """
+
+    draft_tokens: jax.Array
+    corrected_logits: jax.Array
+    greedy_mask: jax.Array
+    temperatures: jax.Array
+    confidence: jax.Array
+
+
+# ---------------------------------------------------------------------- checks
+def check_shapes(
+    cfg: DraftConfig,
+    cache: ContextCache,
+    bonus: Any,
+    prefix_lens: Any,
+    temperatures: Any,
+    top_k: Any,
+    key: Any,
+    *,
+    input_embeds: Any = None,
+    cache_rows: bool = True,
+) -> int:
+    """Checks the static shapes of a proposal's inputs (works on tracers).
+
+    Args:
+      cfg: the draft config.
+      cache: the context cache.
+      bonus, prefix_lens, temperatures, top_k: ``[B]`` each.
+      key: one key or per-row keys (see :func:`dspark_jax.sampling.key_rows`).
+      input_embeds: optional ``[B, R, H]``.
+      cache_rows: require ``cache.batch == B`` (False when rows are gathered by slot).
+
+    Returns:
+      ``B``.
+
+    Raises:
+      ValueError: a shape does not match.
+      TypeError: ``key`` is not an allowed key.
+    """
+    if not isinstance(cache, ContextCache):
+        raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
+    bonus_shape = tuple(np.shape(bonus))
+    if len(bonus_shape) != 1 or bonus_shape[0] < 1:
+        raise ValueError(f"bonus has shape {bonus_shape}: expected [B] with B >= 1")
+    batch = bonus_shape[0]
+    for name, value in (("prefix_lens", prefix_lens), ("temperatures", temperatures), ("top_k", top_k)):
+        if tuple(np.shape(value)) != (batch,):
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [{batch}] like bonus")
+    expected = (cfg.num_hidden_layers, cache.batch, cache.capacity, cfg.num_key_value_heads, cfg.head_dim)
+    for name in ("k", "v"):
+        shape = tuple(getattr(cache, name).shape)
+        if shape != expected:
+            raise ValueError(f"cache.{name} has shape {shape}: expected [L, B, C, KVH, D] = {expected}")
+    if cache_rows and cache.batch != batch:
+        raise ValueError(f"cache has {cache.batch} request slots: expected B={batch} like bonus")
+    if cache.capacity < cfg.gamma:
+        raise ValueError(f"cache capacity={cache.capacity} is too small: must be >= gamma={cfg.gamma}")
+    if input_embeds is not None:
+        want = (batch, cfg.num_query_rows, cfg.hidden_size)
+        if tuple(np.shape(input_embeds)) != want:
+            raise ValueError(f"input_embeds has shape {tuple(np.shape(input_embeds))}: expected [B, R, H] = {want}")
+    key_rows(key, batch)
+    return batch
+
+
+def validate_proposal_inputs(
+    cfg: DraftConfig,
+    cache: ContextCache,
+    bonus: Any,
+    prefix_lens: Any,
+    temperatures: Any,
+    top_k: Any,
+    key: Any,
+    *,
+    input_embeds: Any = None,
+    slots: Any = None,
+    max_batch: int | None = None,
+) -> int:
+    """Checks a proposal's inputs on the host, before anything is compiled.
+
+    Reads values with ``np.asarray``, so it must run outside ``jax.jit`` (the eager and
+    :class:`~dspark_jax.proposer.Proposer` entry points call it; :func:`propose` does not).
+
+    Args:
+      cfg: the draft config.
+      cache: the context cache.
+      bonus: ``[B]`` ints in ``[0, V)``.
+      prefix_lens: ``[B]`` ints in ``[0, capacity − γ]``.
+      temperatures: ``[B]`` floats, finite and ``>= 0`` (0 = greedy).
+      top_k: ``[B]`` ints ``>= 0`` (``<= 1`` = greedy, ``TOP_K_ALL`` = no top-k).
+      key: one key or per-row keys.
+      input_embeds: optional ``[B, R, H]``.
+      slots: optional ``[B]`` cache slot of each row, in ``[0, cache.batch)``; when
+        omitted the cache must have exactly ``B`` slots.
+      max_batch: the largest batch allowed, if any.
+
+    Returns:
+      ``B``.
+
+    Raises:
+      ValueError: a value or shape is out of range.
+      TypeError: a dtype or the key type is wrong.
+    """
+    batch = np.shape(bonus)[0] if np.ndim(bonus) == 1 else None
+    if max_batch is not None and batch is not None and batch > max_batch:
+        raise ValueError(f"batch size B={batch} (len(bonus)) is too large: must be <= max_batch={max_batch}")
+    batch = check_shapes(
+        cfg,
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        input_embeds=input_embeds,
+        cache_rows=slots is None,
+    )
+    ints = {"bonus": np.asarray(bonus), "prefix_lens": np.asarray(prefix_lens), "top_k": np.asarray(top_k)}
+    for name, value in ints.items():
+        if not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name} has dtype {value.dtype}: expected an integer dtype")
+    _check_range("bonus", ints["bonus"], 0, cfg.vocab_size - 1, f"token ids in [0, vocab_size={cfg.vocab_size})")
+    room = cache.capacity - cfg.gamma
+    _check_range(
+        "prefix_lens",
+        ints["prefix_lens"],
+        0,
+        room,
+        f"in [0, capacity - gamma] = [0, {room}] so the block's {cfg.gamma} positions fit in the cache",
+    )
+    _check_range("top_k", ints["top_k"], 0, None, f">= 0 (0 or 1 = greedy, TOP_K_ALL={TOP_K_ALL} = no top-k)")
+    temps = np.asarray(temperatures)
+    if not (np.issubdtype(temps.dtype, np.floating) or np.issubdtype(temps.dtype, np.integer)):
+        raise TypeError(f"temperatures has dtype {temps.dtype}: expected a float dtype")
+    bad = ~(np.isfinite(temps) & (temps >= 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"temperatures[{i}]={temps[i]!r} is invalid: must be finite and >= 0 (0 = greedy)")
+    if slots is not None:
+        slots = np.asarray(slots)
+        if slots.shape != (batch,):
+            raise ValueError(f"slots has shape {slots.shape}: expected [{batch}] like bonus")
+        if not np.issubdtype(slots.dtype, np.integer):
+            raise TypeError(f"slots has dtype {slots.dtype}: expected an integer dtype")
+        _check_range("slots", slots, 0, cache.batch - 1, f"cache slot ids in [0, {cache.batch})")
+    return batch
+
+
+def _check_range(name: str, values: np.ndarray, lo: int, hi: int | None, allowed: str) -> None:
+    bad = (values < lo) if hi is None else ((values < lo) | (values > hi))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}]={int(values[i])} is out of range: must be {allowed}")
+
+
+# --------------------------------------------------------------------- stages
+def _draft_slots(
+    draft: DSparkDraft,
+    cache: ContextCache,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    input_embeds: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Backbone over the block; returns slot hidden ``[B, γ, H]`` and base logits ``[B, γ, V]``."""
+    bonus = jnp.asarray(bonus, jnp.int32)
+    prefix_lens = jnp.asarray(prefix_lens, jnp.int32)
+    hidden = draft(
+        None if input_embeds is not None else draft.block_ids(bonus),
+        positions=draft.block_positions(prefix_lens),
+        ctx_k=cache.k,
+        ctx_v=cache.v,
+        ctx_mask=context_mask(prefix_lens, cache.capacity),
+        input_embeds=input_embeds,
+    )  # [B, R, H]
+    slot_hidden = draft.slots(hidden)  # [B, γ, H]
+    return slot_hidden, draft.base_logits(slot_hidden)
+
+
+def _confidence(draft: DSparkDraft, slot_hidden: jax.Array, bonus: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``[B, γ]`` confidence with ``prev = [bonus, d_1 … d_{γ−1}]``; ``[B, 0]`` without a head."""
+    if draft.confidence_head is None:
+        return jnp.zeros((tokens.shape[0], 0), jnp.float32)
+    prev = jnp.concatenate([jnp.asarray(bonus, jnp.int32)[:, None], tokens[:, :-1]], axis=1)  # [B, γ]
+    return draft.confidence(slot_hidden, prev).astype(jnp.float32)
+
+
+def propose_with(
+    draft: DSparkDraft,
+    cache: ContextCache,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    key: jax.Array,
+    *,
+    fold_sampling: bool = True,
+    input_embeds: jax.Array | None = None,
+) -> DraftBlock:
+    """Folded draft round on a merged draft module (pure; trace it inside ``jax.jit``).
+
+    Args:
+      draft: the draft module.
+      cache: context cache with ``B`` request slots, ``[L, B, C, KVH, D]``.
+      bonus: ``[B]`` int anchor tokens.
+      prefix_lens: ``[B]`` int context lengths (the block sits at ``prefix_len + 0..R−1``).
+      temperatures: ``[B]`` float sampling temperatures (0 = greedy).
+      top_k: ``[B]`` int (``<= 1`` = greedy; ``TOP_K_ALL`` otherwise; never applied).
+      key: one PRNG key (typed or raw) or per-row keys ``[B]``.
+      fold_sampling: False folds greedy-only (every row greedy, empty corrected logits).
+      input_embeds: ``[B, R, H]`` block embeddings to use instead of the in-graph lookup
+        (parity tests).
+
+    Returns:
+      The :class:`DraftBlock`.
+    """
+    cfg = draft.cfg
+    batch = check_shapes(cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
+    temps = clamp_temperatures(temperatures)
+    slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds)
+    if fold_sampling:
+        greedy = greedy_rows(temperatures, top_k)
+        keys = row_keys(key, batch)
+
+        def pick(step, logits):
+            return sample_step(logits, temps, greedy, step_keys(keys, step))
+
+    else:
+        greedy = jnp.ones((batch,), bool)
+
+        def pick(step, logits):
+            del step
+            return greedy_step(logits)
+
+    tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
+    if not fold_sampling:
+        corrected = jnp.zeros((batch, cfg.gamma, 0), jnp.float32)
+    return DraftBlock(
+        draft_tokens=tokens,
+        corrected_logits=corrected,
+        greedy_mask=greedy,
+        temperatures=temps,
+        confidence=_confidence(draft, slot_hidden, bonus, tokens),
+    )
+
+
+def propose(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: ContextCache,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    key: jax.Array,
+    *,
+    fold_sampling: bool = True,
+    input_embeds: jax.Array | None = None,
+) -> DraftBlock:
+    """Folded draft round over split NNX state (``graphdef`` static under ``jax.jit``).
+
+    Example::
+
+        graphdef, state = nnx.split(draft)
+        step = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+        block = step(graphdef, state, cache, bonus, prefix_lens, temps, top_k, key)
+
+    Args:
+      graphdef: from ``nnx.split(draft)``.
+      state: the draft's state.
+      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds:
+        as in :func:`propose_with`.
+
+    Returns:
+      The :class:`DraftBlock`.
+    """
+    return propose_with(
+        nnx.merge(graphdef, state),
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        fold_sampling=fold_sampling,
+        input_embeds=input_embeds,
+    )
+
+
+# ---------------------------------------------------------------------- eager
+@functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")
+def _eager_backbone(
+    graphdef, state, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds, *, fold_sampling
+):
+    draft = nnx.merge(graphdef, state)
+    batch = bonus.shape[0]
+    slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds)
+    head = draft.markov_head
+    head_state = head.init_state(batch) if head is not None else jnp.zeros((batch, 0), jnp.float32)
+    greedy = greedy_rows(temperatures, top_k) if fold_sampling else jnp.ones((batch,), bool)
+    keys = row_keys(key, batch)
+    return slot_hidden, base, head_state, clamp_temperatures(temperatures), greedy, keys
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")
+def _eager_step(graphdef, state, head_state, prev, base, hidden, temps, greedy, keys, step, *, fold_sampling):
+    head = nnx.merge(graphdef, state).markov_head
+    logits = base[:, step].astype(jnp.float32)  # [B, V]
+    if head is not None:
+        head_state, bias = head.step(head_state, prev, hidden[:, step])
+        logits = logits + bias.astype(jnp.float32)
+    tokens = sample_step(logits, temps, greedy, step_keys(keys, step)) if fold_sampling else greedy_step(logits)
+    return head_state, tokens, logits
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")
+def _eager_finish(graphdef, state, slot_hidden, bonus, tokens, logits, temps, greedy, *, fold_sampling):
+    draft = nnx.merge(graphdef, state)
+    tokens = jnp.stack(tokens, axis=1)  # [B, γ]
+    batch, gamma = tokens.shape
+    corrected = jnp.stack(logits, axis=1) if fold_sampling else jnp.zeros((batch, gamma, 0), jnp.float32)
+    return DraftBlock(
+        draft_tokens=tokens,
+        corrected_logits=corrected,  # [B, γ, V]
+        greedy_mask=greedy,
+        temperatures=temps,
+        confidence=_confidence(draft, slot_hidden, bonus, tokens),
+    )
+
+
+def run_eager(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: ContextCache,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    key: jax.Array,
+    *,
+    fold_sampling: bool = True,
+    input_embeds: jax.Array | None = None,
+) -> DraftBlock:
+    """The eager round over split state, without input validation (see :func:`propose_eager`)."""
+    bonus = np.asarray(bonus, np.int32)
+    prefix_lens = np.asarray(prefix_lens, np.int32)
+    temperatures = np.asarray(temperatures, np.float32)
+    top_k = np.asarray(top_k, np.int32)
+    slot_hidden, base, head_state, temps, greedy, keys = _eager_backbone(
+        graphdef,
+        state,
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        input_embeds,
+        fold_sampling=fold_sampling,
+    )
+    prev, tokens, logits = bonus, [], []
+    for step in range(base.shape[1]):
+        head_state, prev, step_logits = _eager_step(
+            graphdef,
+            state,
+            head_state,
+            prev,
+            base,
+            slot_hidden,
+            temps,
+            greedy,
+            keys,
+            np.uint32(step),
+            fold_sampling=fold_sampling,
+        )
+        tokens.append(prev)
+        logits.append(step_logits)
+    return _eager_finish(
+        graphdef,
+        state,
+        slot_hidden,
+        bonus,
+        tokens,
+        logits,
+        temps,
+        greedy,
+        fold_sampling=fold_sampling,
+    )
+
+
+def propose_eager(
+    draft: DSparkDraft,
+    cache: ContextCache,
+    bonus: Any,
+    prefix_lens: Any,
+    temperatures: Any,
+    top_k: Any,
+    key: Any,
+    *,
+    fold_sampling: bool = True,
+    input_embeds: Any = None,
+) -> DraftBlock:
+    """The draft round run stage by stage (backbone, one walk step at a time, finish).
+
+    Same maths, keys and rules as :func:`propose_with`; inputs are validated on the host
+    first (:func:`validate_proposal_inputs`), so bad input fails before anything compiles.
+
+    Args:
+      draft: the draft module.
+      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds:
+        as in :func:`propose_with`.
+
+    Returns:
+      The :class:`DraftBlock`.
+    """
+    validate_proposal_inputs(draft.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
+    graphdef, state = nnx.split(draft)
+    return run_eager(
+        graphdef,
+        state,
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        fold_sampling=fold_sampling,
+        input_embeds=input_embeds,
+    )

@@ -1,0 +1,319 @@
+"""A byte-level BPE tokenizer trained locally, saved as a Hugging Face ``tokenizer.json``.
+
+Text is split into words by a regular expression (letters, digits, punctuation runs and
+whitespace runs, a leading space staying with the word after it, as in GPT-2), each word
+is mapped to bytes and each byte to one printable character, and learned merges join
+adjacent symbols. Every string round-trips: ``decode(encode(s)) == s``.
+
+The file follows the ``tokenizers`` JSON layout (``model.type = "BPE"``, ``vocab``,
+``merges``; a ``Split`` pre-tokenizer with the same pattern followed by ``ByteLevel``;
+a ``ByteLevel`` decoder; special tokens in ``added_tokens``), so the Hugging Face
+library loads it too.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+DEFAULT_SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)
+
+# Identifier runs (letters, underscores), digit runs and punctuation runs take one optional
+# leading space; every character falls in exactly one class. A whitespace run
+# leaves its last space to the word after it, so indentation splits as "\n   " + " def".
+WORD_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"""
+_WORD_RE = re.compile(WORD_PATTERN)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """Maps each byte to one printable character (printable Latin-1 bytes map to themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table = {b: chr(b) for b in keep}
+    shift = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+_BYTE_TO_CHAR = bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _word_symbols(word: str) -> str:
+    return "".join(_BYTE_TO_CHAR[b] for b in word.encode("utf-8"))
+
+
+class Tokenizer:
+    """Byte-level BPE: ``encode(str) -> list[int]``, ``decode(ids) -> str``."""
+
+    def __init__(self, vocab: dict[str, int], merges: Sequence[tuple[str, str]], special_tokens: Sequence[str]):
+        """Builds the tokenizer.
+
+        Args:
+          vocab: token string (byte characters) → id, special tokens included.
+          merges: merge rules in priority order, each a pair of token strings.
+          special_tokens: strings encoded as one id each wherever they appear in text.
+        """
+        missing = [t for t in special_tokens if t not in vocab]
+        if missing:
+            raise ValueError(f"special_tokens={missing!r} are not in the vocabulary")
+        self.vocab = dict(vocab)
+        self.id_to_token = {i: t for t, i in self.vocab.items()}
+        if len(self.id_to_token) != len(self.vocab):
+            raise ValueError("vocab maps two tokens to one id")
+        self.merges = [tuple(m) for m in merges]
+        self.ranks = {m: i for i, m in enumerate(self.merges)}
+        self.special_tokens = tuple(special_tokens)
+        self._special_re = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True)) + ")")
+            if special_tokens
+            else None
+        )
+        self._cache: dict[str, list[int]] = {}
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (``max id + 1``), special tokens included."""
+        return max(self.id_to_token) + 1
+
+    def token_to_id(self, token: str) -> int:
+        if token not in self.vocab:
+            raise ValueError(f"token {token!r} is not in the vocabulary")
+        return self.vocab[token]
+
+    @property
+    def eos_id(self) -> int:
+        """Id of ``<|endoftext|>`` (separates documents)."""
+        return self.token_to_id(EOS_TOKEN)
+
+    @property
+    def mask_id(self) -> int:
+        """Id of ``<|mask|>`` (the draft's mask token)."""
+        return self.token_to_id(MASK_TOKEN)
+
+    # ---------------------------------------------------------------- encoding
+    def _encode_word(self, word: str) -> list[int]:
+        ids = self._cache.get(word)
+        if ids is not None:
+            return ids
+        symbols = list(_word_symbols(word))
+        while len(symbols) > 1:
+            pairs = [(self.ranks.get((a, b), len(self.ranks)), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+            rank, _ = min(pairs)
+            if rank == len(self.ranks):
+                break
+            first, second = self.merges[rank]
+            merged, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and symbols[i] == first and symbols[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(symbols[i])
+                    i += 1
+            symbols = merged
+        ids = [self.vocab[s] for s in symbols]
+        self._cache[word] = ids
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Text → token ids; special-token strings in the text become their single ids."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        pieces = self._special_re.split(text) if self._special_re else [text]
+        out: list[int] = []
+        for j, piece in enumerate(pieces):
+            if j % 2 == 1:  # a captured special token
+                out.append(self.vocab[piece])
+                continue
+            for word in _WORD_RE.findall(piece):
+                out.extend(self._encode_word(word))
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids → text (invalid UTF-8 from a partial byte sequence becomes U+FFFD)."""
+        chunks: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            token = self.id_to_token.get(int(i))
+            if token is None:
+                raise ValueError(f"token id {int(i)} is outside the vocabulary (size {self.vocab_size})")
+            if token in self.special_tokens:
+                chunks.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                chunks.append(token)
+            else:
+                buf.extend(_CHAR_TO_BYTE[c] for c in token)
+        chunks.append(buf.decode("utf-8", errors="replace"))
+        return "".join(chunks)
+
+    # ------------------------------------------------------------------ saving
+    def to_json(self) -> dict:
+        """The Hugging Face ``tokenizer.json`` structure."""
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {
+                    "id": self.vocab[t],
+                    "content": t,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": True,
+                }
+                for t in self.special_tokens
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": WORD_PATTERN}, "behavior": "Isolated", "invert": False},
+                    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+                ],
+            },
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {t: i for t, i in sorted(self.vocab.items(), key=lambda kv: kv[1])},
+                "merges": [f"{a} {b}" for a, b in self.merges],
+            },
+        }
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Writes ``tokenizer.json`` (``path`` is the file or its folder); returns the file path."""
+        path = os.fspath(path)
+        if not path.endswith(".json"):
+            os.makedirs(path, exist_ok=True)
+            path = os.path.join(path, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, ensure_ascii=False)
+        return path
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Reads a byte-level BPE ``tokenizer.json`` (the file, or a folder holding it)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer path {path!r} does not exist: expected a tokenizer.json or its folder")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"{path}: model.type={model.get('type')!r} is not supported: only 'BPE'")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    vocab = dict(model["vocab"])
+    specials = []
+    for tok in data.get("added_tokens", []):
+        vocab[tok["content"]] = tok["id"]
+        specials.append(tok["content"])
+    return Tokenizer(vocab, merges, specials)
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS
+) -> Tokenizer:
+    """Learns byte-level BPE merges from ``texts``.
+
+    Pairs are counted over the word-frequency table and updated incrementally after each
+    merge; the most frequent pair wins, ties going to the pair of lower ids (deterministic).
+
+    Args:
+      texts: training documents.
+      vocab_size: total ids wanted: 256 bytes + merges + special tokens. Fewer when the
+        text runs out of pairs that occur at least twice.
+      special_tokens: appended after the merges, in order.
+
+    Returns:
+      The trained :class:`Tokenizer`.
+    """
+    special_tokens = tuple(special_tokens)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
+        raise ValueError(
+            f"vocab_size={vocab_size!r} is invalid: must be an integer >= 256 + {len(special_tokens)} special tokens"
+        )
+    words: collections.Counter[str] = collections.Counter()
+    for text in texts:
+        words.update(_WORD_RE.findall(text))
+    if not words:
+        raise ValueError("train_bpe got no text: texts is empty or holds only empty strings")
+
+    symbols = [_BYTE_TO_CHAR[b] for b in range(256)]  # id -> token string
+    ids = {s: i for i, s in enumerate(symbols)}
+    seqs = [[_CHAR_TO_BYTE[c] for c in _word_symbols(w)] for w in words]
+    freqs = list(words.values())
+    counts: collections.Counter[tuple[int, int]] = collections.Counter()
+    where: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
+    for w, seq in enumerate(seqs):
+        for pair in zip(seq, seq[1:]):
+            counts[pair] += freqs[w]
+            where[pair].add(w)
+    heap = [(-c, pair) for pair, c in counts.items()]
+    heapq.heapify(heap)
+    merges: list[tuple[str, str]] = []
+    while len(symbols) < vocab_size - len(special_tokens) and heap:
+        neg, pair = heapq.heappop(heap)
+        if counts.get(pair, 0) != -neg:
+            continue  # stale entry
+        if -neg < 2:
+            break
+        token = symbols[pair[0]] + symbols[pair[1]]
+        # Two merge paths can spell the same string ("ab"+"c", "a"+"bc"): one id for both.
+        new_id = ids.get(token, len(symbols))
+        if new_id == len(symbols):
+            symbols.append(token)
+            ids[token] = new_id
+        merges.append((symbols[pair[0]], symbols[pair[1]]))
+        touched: set[tuple[int, int]] = set()
+        for w in where.pop(pair):
+            seq = seqs[w]
+            merged, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and seq[i] == pair[0] and seq[i + 1] == pair[1]:
+                    merged.append(new_id)
+                    i += 2
+                else:
+                    merged.append(seq[i])
+                    i += 1
+            if len(merged) == len(seq):
+                continue
+            for p in zip(seq, seq[1:]):
+                counts[p] -= freqs[w]
+                touched.add(p)
+            for p in zip(merged, merged[1:]):
+                counts[p] += freqs[w]
+                where[p].add(w)
+                touched.add(p)
+            seqs[w] = merged
+        counts.pop(pair, None)
+        for p in touched:
+            c = counts.get(p, 0)
+            if c > 0 and p != pair:
+                heapq.heappush(heap, (-c, p))
+            elif c <= 0:
+                counts.pop(p, None)
+    vocab = dict(ids)
+    for t in special_tokens:
+        vocab[t] = len(vocab)
+    return Tokenizer(vocab, merges, special_tokens)

@@ -1,0 +1,601 @@
+"""Draft training against a frozen target (the DeepSpec recipe, DSPARK_SPEC.md §6).
+
+Shape legend: B sequences, S sequence length, A anchors per sequence, N = B·A blocks,
+γ draft slots, R query rows (γ or γ+1), V vocabulary, H hidden, L draft layers.
+
+One step: the frozen target runs each sequence once and gives its logits and the fused
+features of every position (computed on the fly, no offline cache); the draft projects
+the features to context keys/values once per sequence; ``A`` random anchors per
+sequence each open a block ``[x_a, MASK, …]`` at positions ``a + 0..R−1`` that sees the
+context at positions ``< a``. Slot ``k`` is scored against the target's distribution of
+the token at ``a + k + 1`` on its Markov-corrected, teacher-forced logits
+(``prev = [x_a, x_{a+1} … x_{a+γ−1}]``)::
+
+    loss = Σ_k w_k (0.1·CE_k + 0.9·TV_k + 1.0·BCE_k) / Σ_k w_k,   w_k = exp(−k / 4)
+
+with ``TV_k = ‖softmax(draft_k) − softmax(target_k)‖₁``, ``CE_k`` the cross-entropy of
+the text's token, and ``BCE_k`` the confidence head's binary cross-entropy against
+``clamp(1 − ½·TV_k, 0, 1)`` (held constant). AdamW (lr 6e-4, 4 % warmup, cosine decay,
+no weight decay, global-norm clip 1.0) updates the draft's ``nnx.Param`` leaves only;
+the borrowed embedding / lm_head and the calibration constants stay fixed.
+
+Batches and anchors are drawn from a NumPy generator seeded with ``(seed, step)``, so a
+run resumed from a checkpoint (parameters, optimizer state, step) continues exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax.config import DraftConfig, TargetConfig
+
+CHECKPOINT_ARRAYS = "train_state.npz"
+CHECKPOINT_META = "train_state.json"
+
+
+# --------------------------------------------------------------------------- shared helpers
+def lr_schedule(steps: int, lr: float, warmup_frac: float = 0.04) -> optax.Schedule:
+    """Linear warmup from 0 over ``max(1, round(warmup_frac·steps))`` steps, then cosine decay to 0 at ``steps``."""
+    warmup = max(1, round(warmup_frac * steps))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=0.0)
+
+
+def make_optimizer(
+    steps: int, lr: float, *, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip_norm: float = 1.0
+) -> optax.GradientTransformation:
+    """AdamW on :func:`lr_schedule`, after clipping the gradient's global norm to ``clip_norm``."""
+    schedule = lr_schedule(steps, lr, warmup_frac)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def sample_windows(tokens: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """``batch`` random windows of ``seq_len`` consecutive tokens: ``[B, S]`` int32."""
+    starts = rng.integers(0, len(tokens) - seq_len + 1, size=batch)
+    return tokens[starts[:, None] + np.arange(seq_len)].astype(np.int32)
+
+
+def check_token_stream(tokens: np.ndarray, seq_len: int, vocab_size: int) -> np.ndarray:
+    """Validates a flat training token stream; returns it as int32."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if tokens.size == 0:
+        raise ValueError("the training corpus is empty: tokens has no elements")
+    if tokens.size < seq_len:
+        raise ValueError(f"the training corpus has {tokens.size} tokens, fewer than seq_len={seq_len}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(
+            f"tokens hold ids in [{tokens.min()}, {tokens.max()}]: must lie in [0, vocab_size={vocab_size})"
+        )
+    return tokens.astype(np.int32)
+
+
+def save_train_state(path: str, tree: Any, meta: dict) -> None:
+    """Writes every leaf of ``tree`` (parameters, optimizer state) and ``meta`` (step, seed, …)."""
+    os.makedirs(path, exist_ok=True)
+    leaves = jax.tree.leaves(tree)
+    tmp = os.path.join(path, CHECKPOINT_ARRAYS + ".tmp.npz")
+    np.savez(tmp, **{f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+    os.replace(tmp, os.path.join(path, CHECKPOINT_ARRAYS))
+    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
+        json.dump({**meta, "num_leaves": len(leaves)}, f, indent=2)
+
+
+def load_train_state(path: str, like: Any) -> tuple[Any, dict]:
+    """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``."""
+    meta_path = os.path.join(path, CHECKPOINT_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"no training checkpoint in {path!r}: {CHECKPOINT_META} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    leaves, treedef = jax.tree.flatten(like)
+    if meta["num_leaves"] != len(leaves):
+        raise ValueError(f"checkpoint {path!r} has {meta['num_leaves']} arrays; this model needs {len(leaves)}")
+    with np.load(os.path.join(path, CHECKPOINT_ARRAYS)) as data:
+        new = []
+        for i, ref in enumerate(leaves):
+            value = data[f"leaf_{i:05d}"]
+            if value.shape != np.shape(ref):
+                raise ValueError(f"checkpoint array {i} has shape {value.shape}; the model needs {np.shape(ref)}")
+            new.append(jnp.asarray(value, dtype=jnp.asarray(ref).dtype))
+    return jax.tree.unflatten(treedef, new), meta
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn in place (no dependency)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream=None):
+        self.total, self.enabled = total, enabled
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self.first_step is None:
+            self.first_step, self.start = step, time.perf_counter()
+        rate = (step - self.first_step) / max(time.perf_counter() - self.start, 1e-9)
+        terms = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.stream.write(f"\r  step {step}/{self.total} | {terms} | {rate:.1f} step/s ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def cast_params(module: nnx.Module, dtype: str) -> None:
+    """Casts every ``nnx.Param`` of ``module`` in place (float leaves only)."""
+    target = jnp.dtype(dtype)
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param) and jnp.issubdtype(var[...].dtype, jnp.floating):
+            var[...] = var[...].astype(target)
+
+
+# --------------------------------------------------------------------------- the draft loss
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftTrainConfig:
+    """Hyper-parameters of :func:`train_draft` (defaults: DeepSpec's recipe, small batches)."""
+
+    steps: int = 2000
+    batch_size: int = 16
+    seq_len: int = 256
+    anchors_per_seq: int = 32
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    position_decay: float = 4.0
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "anchors_per_seq", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} is invalid: must be an integer >= 0")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} is invalid: must be an integer >= 0")
+        for name in ("lr", "clip_norm", "position_decay"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be > 0")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac={self.warmup_frac!r} is invalid: must lie in [0, 1)")
+
+
+def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int) -> None:
+    """Raises ``ValueError`` unless the draft can train on this target with ``seq_len``-token sequences."""
+    if draft_cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"draft hidden_size={draft_cfg.hidden_size} does not fit the target: must equal the target's "
+            f"hidden_size={target_cfg.hidden_size} (the draft borrows its embedding and lm_head)"
+        )
+    depth = target_cfg.num_hidden_layers
+    bad = [i for i in draft_cfg.target_layer_ids if not -1 <= i < depth]
+    if bad or (draft_cfg.num_target_layers is not None and draft_cfg.num_target_layers != depth):
+        raise ValueError(
+            f"draft target_layer_ids={list(draft_cfg.target_layer_ids)} (num_target_layers="
+            f"{draft_cfg.num_target_layers}) do not fit a target with num_hidden_layers={depth}: "
+            f"ids must lie in -1 <= id < {depth}"
+        )
+    if draft_cfg.vocab_size > target_cfg.vocab_size:
+        raise ValueError(
+            f"draft vocab_size={draft_cfg.vocab_size} does not fit the target: must be <= the target's "
+            f"vocab_size={target_cfg.vocab_size}"
+        )
+    need = draft_cfg.num_query_rows + 1
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < need:
+        raise ValueError(
+            f"seq_len={seq_len!r} is shorter than a block: need at least {need} tokens "
+            f"(a context token, the anchor and γ={draft_cfg.gamma} drafted tokens)"
+        )
+    if seq_len > draft_cfg.max_position_embeddings or seq_len > target_cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={seq_len} exceeds max_position_embeddings (draft {draft_cfg.max_position_embeddings}, "
+            f"target {target_cfg.max_position_embeddings})"
+        )
+
+
+def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, seq_len: int, rows: int) -> np.ndarray:
+    """Anchors ``[B, A]`` in ``[1, S − R − 1]``: a non-empty context and every target inside the sequence."""
+    return rng.integers(1, seq_len - rows, size=(batch, anchors)).astype(np.int32)
+
+
+def block_loss_terms(
+    corrected: jax.Array,
+    target_logits: jax.Array,
+    gold: jax.Array,
+    confidence_logits: jax.Array | None,
+) -> dict[str, jax.Array]:
+    """Per-slot loss terms of a batch of blocks.
+
+    Args:
+      corrected: ``[N, γ, V]`` draft Markov-corrected logits (float32).
+      target_logits: ``[N, γ, V]`` target logits of the same positions.
+      gold: ``[N, γ]`` the text's tokens at ``a + k + 1``.
+      confidence_logits: ``[N, γ]`` raw confidence scores, or ``None``.
+
+    Returns:
+      ``ce``, ``tv``, ``bce`` (zeros without a confidence head), each ``[N, γ]``.
+    """
+    logq = jax.nn.log_softmax(corrected.astype(jnp.float32), axis=-1)
+    p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.take_along_axis(logq, gold[..., None], axis=-1)[..., 0]
+    tv = jnp.sum(jnp.abs(jnp.exp(logq) - p), axis=-1)
+    if confidence_logits is None:
+        bce = jnp.zeros_like(tv)
+    else:
+        label = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * tv, 0.0, 1.0))
+        bce = optax.sigmoid_binary_cross_entropy(confidence_logits.astype(jnp.float32), label)
+    return {"ce": ce, "tv": tv, "bce": bce}
+
+
+def draft_blocks(draft, target, tokens: jax.Array, anchors: jax.Array) -> dict[str, jax.Array]:
+    """Runs target and draft over every anchored block of a batch.
+
+    Args:
+      draft: a merged :class:`~dspark_jax.draft.DSparkDraft`.
+      target: a merged target (frozen: its outputs are held constant).
+      tokens: ``[B, S]`` int32.
+      anchors: ``[B, A]`` int32 anchor positions.
+
+    Returns:
+      ``corrected [N, γ, V]``, ``target_logits [N, γ, V]``, ``gold [N, γ]``,
+      ``confidence_logits [N, γ]`` (only with a confidence head).
+    """
+    cfg = draft.cfg
+    b, s = tokens.shape
+    gamma = cfg.gamma
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    logits, features, _ = target(tokens, positions, target.init_cache(b, s), feature_layers=cfg.target_layer_ids)
+    logits = jax.lax.stop_gradient(logits[..., : cfg.vocab_size])  # [B, S, V]
+    features = jax.lax.stop_gradient(features)  # [B, S, K·H]
+    ctx_k, ctx_v = draft.context_kv(features, positions)  # [L, B, S, KVH, D]
+
+    ids = jax.vmap(draft.block_ids, in_axes=1, out_axes=1)(jnp.take_along_axis(tokens, anchors, axis=1))  # [B, A, R]
+    block_pos = jax.vmap(draft.block_positions, in_axes=1, out_axes=1)(anchors)  # [B, A, R]
+    ctx_mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] < anchors[:, :, None]  # [B, A, S]
+
+    def one_anchor(ids_a, pos_a, mask_a):
+        return draft(ids_a, positions=pos_a, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask_a)
+
+    hidden = jax.vmap(one_anchor, in_axes=1, out_axes=1)(ids, block_pos, ctx_mask)  # [B, A, R, H]
+    n = b * anchors.shape[1]
+    hidden = draft.slots(hidden.reshape(n, hidden.shape[2], hidden.shape[3]))  # [N, γ, H]
+
+    slot_pos = (anchors[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)).reshape(b, -1)  # [B, A·γ]
+    prev = jnp.take_along_axis(tokens, slot_pos, axis=1).reshape(n, gamma)  # [N, γ] x_{a+k}
+    gold = jnp.take_along_axis(tokens, slot_pos + 1, axis=1).reshape(n, gamma)  # [N, γ] x_{a+k+1}
+    t_logits = jnp.take_along_axis(logits, slot_pos[..., None], axis=1).reshape(n, gamma, -1)  # [N, γ, V]
+    out = {"corrected": draft.corrected_logits(hidden, prev), "target_logits": t_logits, "gold": gold}
+    if draft.confidence_head is not None:
+        prev_embed = draft.markov_head.embed_prev(prev) if cfg.confidence_head_with_markov else None
+        out["confidence_logits"] = draft.confidence_head.logits(hidden, prev_embed)
+    return out
+
+
+def draft_loss(
+    draft, target, tokens: jax.Array, anchors: jax.Array, tcfg: DraftTrainConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The weighted DeepSpec loss of one batch and its mean terms (see the module docstring)."""
+    blocks = draft_blocks(draft, target, tokens, anchors)
+    terms = block_loss_terms(
+        blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks.get("confidence_logits")
+    )
+    gamma = draft.cfg.gamma
+    w = jnp.exp(-jnp.arange(gamma, dtype=jnp.float32) / tcfg.position_decay)
+    w = w / w.sum()  # [γ]
+
+    def weighted(x):
+        return jnp.mean(jnp.sum(x * w, axis=-1))
+
+    metrics = {name: weighted(x) for name, x in terms.items()}
+    loss = (
+        tcfg.ce_weight * metrics["ce"] + tcfg.tv_weight * metrics["tv"] + tcfg.confidence_weight * metrics["bce"]
+    )
+    return loss, {"loss": loss, **metrics}
+
+
+def make_draft_train_step(draft_graphdef, target_graphdef, optimizer, tcfg: DraftTrainConfig) -> Callable:
+    """The jitted step ``(params, rest, opt_state, target_state, tokens, anchors) -> (params, opt_state, metrics)``."""
+
+    def step(params, rest, opt_state, target_state, tokens, anchors):
+        target = nnx.merge(target_graphdef, target_state)
+
+        def loss_fn(p):
+            draft = nnx.merge(draft_graphdef, p, rest)
+            return draft_loss(draft, target, tokens, anchors, tcfg)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def acceptance_stats(blocks: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Teacher-forced acceptance of a batch of blocks (against the text's prefix).
+
+    ``accept_t1[k] = Σ_v min(p_k, q_k)`` is the chance the T = 1 chain accepts slot ``k``;
+    ``match_greedy[k]`` is ``argmax q_k == argmax p_k``. The τ estimates chain them:
+    ``1 + Σ_k Π_{j≤k} accept_j`` per block (including the bonus token).
+
+    Returns:
+      ``accept_t1 [γ]``, ``match_greedy [γ]``, ``tau_t1`` and ``tau_greedy`` (scalars).
+    """
+    q = jax.nn.softmax(blocks["corrected"], axis=-1)
+    p = jax.nn.softmax(blocks["target_logits"].astype(jnp.float32), axis=-1)
+    acc = jnp.sum(jnp.minimum(p, q), axis=-1)  # [N, γ]
+    match = (jnp.argmax(q, axis=-1) == jnp.argmax(p, axis=-1)).astype(jnp.float32)  # [N, γ]
+    return {
+        "accept_t1": acc.mean(0),
+        "match_greedy": match.mean(0),
+        "tau_t1": (1.0 + jnp.cumprod(acc, axis=-1).sum(-1)).mean(),
+        "tau_greedy": (1.0 + jnp.cumprod(match, axis=-1).sum(-1)).mean(),
+    }
+
+
+def evaluate_draft(
+    draft, target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 8, seq_len: int = 256, seed: int = 1
+) -> dict[str, Any]:
+    """Teacher-forced loss terms and acceptance of a draft on a token stream (held-out text).
+
+    Args:
+      draft, target: merged modules.
+      tokens: ``[N]`` int32 token stream.
+      batches, batch_size, seq_len: how much text to score; anchors at every 4th position.
+      seed: window sampling seed.
+
+    Returns:
+      Mean ``ce``, ``tv``, ``bce``, ``tau_t1``, ``tau_greedy`` and per-slot ``accept_t1`` /
+      ``match_greedy`` lists.
+    """
+    tokens = check_token_stream(tokens, seq_len, draft.cfg.vocab_size)
+    dgraph, dstate = nnx.split(draft)
+    tgraph, tstate = nnx.split(target)
+
+    @jax.jit
+    def score(dstate, tstate, batch, anchors):
+        d, t = nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate)
+        blocks = draft_blocks(d, t, batch, anchors)
+        terms = block_loss_terms(
+            blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks.get("confidence_logits")
+        )
+        return {**{k: v.mean() for k, v in terms.items()}, **acceptance_stats(blocks)}
+
+    rng = np.random.default_rng(seed)
+    anchors = np.arange(1, seq_len - draft.cfg.num_query_rows, 4, dtype=np.int32)
+    anchors = np.broadcast_to(anchors, (batch_size, anchors.size))
+    results = [score(dstate, tstate, sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
+    out = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *results)
+    return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """The trained model and the per-step metrics (``history[name][i]`` at step ``i + 1``)."""
+
+    model: nnx.Module
+    history: dict[str, list[float]]
+    step: int
+
+
+def train_draft(
+    target,
+    draft_cfg: DraftConfig,
+    tokens: np.ndarray,
+    tcfg: DraftTrainConfig,
+    *,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Trains a DSpark (or DFlash-style, ``markov_rank=0``) draft against a frozen target.
+
+    Args:
+      target: the target module (its embedding and lm_head are borrowed, not trained).
+      draft_cfg: the draft's config; must fit the target.
+      tokens: ``[N]`` training token stream (documents joined by ``<|endoftext|>``).
+      tcfg: training hyper-parameters.
+      checkpoint_dir: where the resumable training state is written (every
+        ``tcfg.checkpoint_every`` steps and at the end); ``None``: nowhere.
+      resume: continue from the state in ``checkpoint_dir``.
+      progress: draw the progress bar on stderr.
+      stop_at: stop after this step (< ``tcfg.steps``), as if interrupted; the schedule
+        still spans ``tcfg.steps``.
+
+    Returns:
+      A :class:`TrainResult` with the draft and the metric history of the steps run.
+    """
+    check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
+    tokens = check_token_stream(tokens, tcfg.seq_len, draft_cfg.vocab_size)
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs a checkpoint_dir")
+    end = tcfg.steps if stop_at is None else stop_at
+    if not 0 < end <= tcfg.steps:
+        raise ValueError(f"stop_at={stop_at!r} is invalid: must lie in 1..steps={tcfg.steps}")
+
+    draft = _new_draft(draft_cfg, target, tcfg.seed)
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    optimizer = make_optimizer(
+        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
+    )
+    opt_state = optimizer.init(params)
+    start = 0
+    run_meta = {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
+    if resume:
+        (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
+        if meta["train_config"] != run_meta["train_config"] or meta["draft_config"] != run_meta["draft_config"]:
+            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
+        start = meta["step"]
+    tgraph, tstate = nnx.split(target)
+    step_fn = make_draft_train_step(graphdef, tgraph, optimizer, tcfg)
+    history: dict[str, list[float]] = {}
+    bar = Progress(tcfg.steps, enabled=progress)
+    rows = draft_cfg.num_query_rows
+    for step in range(start, end):
+        rng = np.random.default_rng([tcfg.seed, step])
+        batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, rng)
+        anchors = sample_anchors(rng, tcfg.batch_size, tcfg.anchors_per_seq, tcfg.seq_len, rows)
+        params, opt_state, metrics = step_fn(params, rest, opt_state, tstate, batch, anchors)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        for k, v in metrics.items():
+            history.setdefault(k, []).append(v)
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"draft loss became {metrics['loss']} at step {step + 1}")
+        done = step + 1
+        if done % tcfg.log_every == 0 or done == end:
+            bar.update(done, metrics)
+        if checkpoint_dir and (done == end or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)):
+            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+    bar.close()
+    nnx.update(draft, params)
+    return TrainResult(model=draft, history=history, step=max(end, start))
+
+
+def _new_draft(draft_cfg: DraftConfig, target, seed: int):
+    from dspark_jax.draft import DSparkDraft
+
+    return DSparkDraft(
+        draft_cfg, rngs=nnx.Rngs(seed), embed_tokens=target.embed_tokens, lm_head=target.lm_head
+    )
+
+
+# --------------------------------------------------------------------------- command line
+def default_draft_config(
+    target_cfg: TargetConfig,
+    *,
+    mask_token_id: int,
+    gamma: int = 7,
+    markov_rank: int = 64,
+    num_layers: int = 2,
+    confidence_head: bool = True,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> DraftConfig:
+    """A draft shaped after the target: same hidden size and attention geometry, ``num_layers`` layers.
+
+    The fused layers default to every target layer (``0 … L−1``), as a small target has few.
+    """
+    ids = tuple(range(target_cfg.num_hidden_layers)) if target_layer_ids is None else tuple(target_layer_ids)
+    return DraftConfig(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim,
+        vocab_size=target_cfg.vocab_size,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_theta=target_cfg.rope_theta,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        block_size=gamma,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        num_target_layers=target_cfg.num_hidden_layers,
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=confidence_head,
+        confidence_head_with_markov=confidence_head and markov_rank > 0,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
+    parser.add_argument("--out", required=True, help="output folder for the draft checkpoint")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    parser.add_argument("--gamma", type=int, default=7, help="draft tokens per block")
+    parser.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash-style draft, no Markov head")
+    parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    parser.add_argument("--no-confidence", action="store_true", help="train without a confidence head")
+    parser.add_argument("--draft-config", help="a draft config.json to use instead of the flags above")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.checkpoint import save_draft
+    from dspark_jax.corpus import encode_documents, load_corpus
+    from dspark_jax.target import load_target
+    from dspark_jax.tokenizer import load_tokenizer
+
+    target = load_target(args.target, dtype="float32")
+    tokenizer = load_tokenizer(args.target)
+    if args.draft_config:
+        draft_cfg = DraftConfig.from_pretrained(args.draft_config)
+    else:
+        draft_cfg = default_draft_config(
+            target.config,
+            mask_token_id=tokenizer.mask_id,
+            gamma=args.gamma,
+            markov_rank=args.markov_rank,
+            num_layers=args.layers,
+            confidence_head=not args.no_confidence,
+        )
+    tcfg = DraftTrainConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+        anchors_per_seq=args.anchors,
+        lr=args.lr,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
+    corpus = load_corpus()
+    print(f"encoding {len(corpus.train_files)} training files …", file=sys.stderr)
+    tokens = encode_documents(tokenizer, corpus.texts("train"))
+    t0 = time.perf_counter()
+    result = train_draft(
+        target, draft_cfg, tokens, tcfg, checkpoint_dir=os.path.join(args.out, "checkpoint"), resume=args.resume,
+        progress=not args.quiet,
+    )
+    seconds = time.perf_counter() - t0
+    heldout = encode_documents(tokenizer, corpus.texts("heldout"))
+    stats = evaluate_draft(result.model, target, heldout, seq_len=min(tcfg.seq_len, 256))
+    draft = result.model
+    draft.cfg = dataclasses.replace(draft_cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
+    cast_params(draft, args.save_dtype)
+    save_draft(draft, args.out)
+    info = {
+        "train_config": dataclasses.asdict(tcfg),
+        "train_seconds": seconds,
+        "final_metrics": {k: v[-1] for k, v in result.history.items()} if result.history else {},
+        "heldout_teacher_forced": stats,
+        "corpus": corpus.provenance(),
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+    }
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(json.dumps({"heldout_teacher_forced": stats}, indent=2))
+    return 0

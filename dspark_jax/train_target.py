@@ -1,0 +1,246 @@
+"""Trains the small Qwen3-style target on the standard-library corpus (``dspark-jax train-target``).
+
+The command builds everything from the running Python: it enumerates the corpus
+(:mod:`dspark_jax.corpus`), trains a byte-level BPE tokenizer on the training split
+(:mod:`dspark_jax.tokenizer`), trains the target as a next-token language model with
+AdamW, and writes a Hugging Face checkpoint folder (``config.json``, ``model.safetensors``,
+``tokenizer.json``) plus ``training.json`` with the data provenance and losses.
+
+Shape legend: B sequences, S sequence length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.target import Qwen3Target
+from dspark_jax.train import (
+    Progress,
+    TrainResult,
+    cast_params,
+    check_token_stream,
+    load_train_state,
+    make_optimizer,
+    sample_windows,
+    save_train_state,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetTrainConfig:
+    """Hyper-parameters of :func:`train_target`."""
+
+    steps: int = 3000
+    batch_size: int = 64
+    seq_len: int = 256
+    lr: float = 2e-3
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len} is invalid: a language-model window needs >= 2 tokens")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+
+
+def lm_loss(target, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of ``tokens [B, S]`` (predicting ``tokens[:, 1:]``)."""
+    b, s = tokens.shape
+    inputs = tokens[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(s - 1, dtype=jnp.int32), (b, s - 1))
+    logits, _, _ = target(inputs, positions, target.init_cache(b, s - 1))  # [B, S−1, V]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make_target_train_step(graphdef, optimizer) -> Callable:
+    """The jitted step ``(params, rest, opt_state, tokens) -> (params, opt_state, loss)``."""
+
+    def step(params, rest, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), tokens))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def train_target(
+    cfg: TargetConfig,
+    tokens: np.ndarray,
+    tcfg: TargetTrainConfig,
+    *,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> TrainResult:
+    """Trains a :class:`~dspark_jax.target.Qwen3Target` as a language model.
+
+    Args:
+      cfg: the target config (``seq_len`` must fit ``max_position_embeddings``).
+      tokens: ``[N]`` training token stream.
+      tcfg: hyper-parameters.
+      checkpoint_dir: resumable training state is written there at the end (and every
+        ``tcfg.checkpoint_every`` steps); ``None``: nowhere.
+      resume: continue from ``checkpoint_dir``.
+      progress: draw the progress bar.
+
+    Returns:
+      A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
+    """
+    if tcfg.seq_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={tcfg.seq_len} exceeds the target's max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
+    model = Qwen3Target(cfg, rngs=nnx.Rngs(tcfg.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer = make_optimizer(
+        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
+    )
+    opt_state = optimizer.init(params)
+    run_meta = {"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()}
+    start = 0
+    if resume:
+        if checkpoint_dir is None:
+            raise ValueError("resume=True needs a checkpoint_dir")
+        (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
+        if meta["train_config"] != run_meta["train_config"] or meta["target_config"] != run_meta["target_config"]:
+            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
+        start = meta["step"]
+    step_fn = make_target_train_step(graphdef, optimizer)
+    history: dict[str, list[float]] = {"loss": []}
+    bar = Progress(tcfg.steps, enabled=progress)
+    for step in range(start, tcfg.steps):
+        batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, np.random.default_rng([tcfg.seed, step]))
+        params, opt_state, loss = step_fn(params, rest, opt_state, batch)
+        done = step + 1
+        if done % tcfg.log_every == 0 or done == tcfg.steps:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"target loss became {loss} at step {done}")
+            history["loss"].append(loss)
+            bar.update(done, {"loss": loss})
+        if checkpoint_dir and (done == tcfg.steps or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)):
+            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+    bar.close()
+    nnx.update(model, params)
+    return TrainResult(model=model, history=history, step=tcfg.steps)
+
+
+def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256) -> float:
+    """Mean next-token cross-entropy (nats) on random windows of a held-out stream."""
+    tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)
+    graphdef, state = nnx.split(target)
+    score = jax.jit(lambda state, batch: lm_loss(nnx.merge(graphdef, state), batch))
+    rng = np.random.default_rng(1)
+    return float(np.mean([float(score(state, sample_windows(tokens, batch_size, seq_len, rng))) for _ in range(batches)]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output checkpoint folder")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer vocabulary (special tokens included)")
+    parser.add_argument("--hidden-size", type=int, default=192)
+    parser.add_argument("--intermediate-size", type=int, default=576)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=48)
+    parser.add_argument("--context", type=int, default=512, help="max_position_embeddings")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--checkpoint-every", type=int, default=1000)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint (reuses OUT/tokenizer.json)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.corpus import encode_documents, load_corpus
+    from dspark_jax.target import save_target
+    from dspark_jax.tokenizer import load_tokenizer, train_bpe
+
+    os.makedirs(args.out, exist_ok=True)
+    corpus = load_corpus()
+    train_texts = corpus.texts("train")
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    t0 = time.perf_counter()
+    if args.resume and os.path.isfile(tok_path):
+        tokenizer = load_tokenizer(tok_path)
+    else:
+        print(f"training a {args.vocab_size}-token BPE on {len(train_texts)} files …", file=sys.stderr)
+        tokenizer = train_bpe(train_texts, args.vocab_size)
+        tokenizer.save(tok_path)
+    tokens = encode_documents(tokenizer, train_texts)
+    print(f"tokenizer + encoding: {time.perf_counter() - t0:.1f} s, {tokens.size} training tokens", file=sys.stderr)
+    cfg = TargetConfig(
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=args.context,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+    )
+    tcfg = TargetTrainConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    t0 = time.perf_counter()
+    result = train_target(
+        cfg, tokens, tcfg, checkpoint_dir=os.path.join(args.out, "checkpoint"), resume=args.resume,
+        progress=not args.quiet,
+    )
+    seconds = time.perf_counter() - t0
+    heldout = encode_documents(tokenizer, corpus.texts("heldout"))
+    held = heldout_loss(result.model, heldout, seq_len=min(args.seq_len, 256))
+    target = result.model
+    target.config = dataclasses.replace(cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
+    cast_params(target, args.save_dtype)
+    save_target(target, args.out)
+    info = {
+        "train_config": dataclasses.asdict(tcfg),
+        "train_seconds": seconds,
+        "train_tokens": int(tokens.size),
+        "final_train_loss": result.history["loss"][-1] if result.history["loss"] else None,
+        "heldout_loss": held,
+        "corpus": corpus.provenance(),
+        "tokenizer_vocab_size": tokenizer.vocab_size,
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+    }
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(json.dumps({"heldout_loss": held, "final_train_loss": info["final_train_loss"]}))
+    return 0

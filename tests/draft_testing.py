@@ -1,0 +1,129 @@
+"""Shared helpers for the draft tests: tiny configs, random parameters, export to names.
+
+``hf_params`` reads each parameter off the module by attribute (not through
+``dspark_jax.checkpoint``), so the reference comparisons do not depend on the loader.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import DSparkDraft
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=40,
+    mask_token_id=39,
+    target_layer_ids=(-1, 0, 2),
+    num_target_layers=3,
+    block_size=4,
+    markov_rank=8,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+)
+EMBED_ROWS = 44  # a target embedding padded past vocab_size (base logits must crop)
+
+
+def tiny_config(**overrides) -> DraftConfig:
+    return DraftConfig(**{**TINY, **overrides})
+
+
+def rel_err(actual, expected) -> float:
+    """``max |actual − expected| / max |expected|``."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def _random_leaf(rng: np.random.Generator, markov_scale: float):
+    def fill(path, x):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            value = 1.0 + 0.3 * rng.standard_normal(x.shape)
+        elif "sts_temperature" in name:
+            value = rng.uniform(0.5, 2.0, x.shape)
+        elif "markov_w" in name:
+            value = markov_scale * rng.standard_normal(x.shape)
+        elif "embed_tokens" in name or "lm_head" in name:
+            value = 0.5 * rng.standard_normal(x.shape)
+        else:
+            value = 0.3 * rng.standard_normal(x.shape)
+        return jnp.asarray(value, x.dtype)
+
+    return fill
+
+
+def randomize(module: nnx.Module, seed: int, *, markov_scale: float = 1.0) -> None:
+    """Gives every parameter of ``module`` random values (norm weights near 1, positive STS)."""
+    state = nnx.state(module)
+    fill = _random_leaf(np.random.default_rng(seed), markov_scale)
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state)))
+    nnx.update(module, state)
+
+
+def random_draft(cfg: DraftConfig, seed: int = 0) -> DSparkDraft:
+    """A draft with random parameters and random ``[EMBED_ROWS, H]`` borrowed tables.
+
+    Built abstractly and filled from NumPy, so no initialiser runs (fast on CPU).
+    """
+    table = jax.ShapeDtypeStruct((EMBED_ROWS, cfg.hidden_size), cfg.jnp_param_dtype)
+
+    def build():
+        zeros = jnp.zeros(table.shape, table.dtype)
+        return DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=zeros, lm_head=zeros + 0)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    fill = _random_leaf(np.random.default_rng(seed), 1.0)
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state)))
+    return nnx.merge(graphdef, state)
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x[...]), np.float64)
+
+
+def _linear(out: dict, name: str, module: nnx.Linear) -> None:
+    out[name + ".weight"] = _np(module.kernel).T  # flax [in, out] -> PyTorch [out, in]
+    if module.bias is not None:
+        out[name + ".bias"] = _np(module.bias)
+
+
+def hf_params(draft: DSparkDraft) -> dict[str, np.ndarray]:
+    """The draft's parameters under DeepSpec names, PyTorch layouts, float64."""
+    out = {
+        "embed_tokens.weight": _np(draft.embed_tokens),
+        "lm_head.weight": _np(draft.lm_head),
+        "hidden_norm.weight": _np(draft.hidden_norm.weight),
+        "norm.weight": _np(draft.norm.weight),
+    }
+    _linear(out, "fc", draft.fc)
+    for i, layer in enumerate(draft.layers):
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            _linear(out, f"layers.{i}.self_attn.{proj}", getattr(attn, proj))
+        out[f"layers.{i}.self_attn.q_norm.weight"] = _np(attn.q_norm.weight)
+        out[f"layers.{i}.self_attn.k_norm.weight"] = _np(attn.k_norm.weight)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            _linear(out, f"layers.{i}.mlp.{proj}", getattr(layer.mlp, proj))
+        out[f"layers.{i}.input_layernorm.weight"] = _np(layer.input_layernorm.weight)
+        out[f"layers.{i}.post_attention_layernorm.weight"] = _np(layer.post_attention_layernorm.weight)
+    head = draft.markov_head
+    if head is not None:
+        out["markov_head.markov_w1.weight"] = _np(head.markov_w1)
+        out["markov_head.markov_w2.weight"] = _np(head.markov_w2)
+        for proj in ("gate_proj", "joint_proj"):
+            if hasattr(head, proj):
+                _linear(out, f"markov_head.{proj}", getattr(head, proj))
+    if draft.confidence_head is not None:
+        _linear(out, "confidence_head.proj", draft.confidence_head.proj)
+        out["confidence_head.sts_temperature"] = _np(draft.confidence_head.sts_temperature)
+    return out

@@ -1,0 +1,309 @@
+"""Each draft module against the float64 NumPy reference (tests/np_reference.py).
+
+Tolerance: relative error (max abs difference over max abs reference) <= 1e-5 at float32,
+with matmuls at "highest" precision; float32 round-off through two layers stays near 1e-6.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from draft_testing import hf_params, random_draft, randomize, rel_err, tiny_config
+from flax import nnx
+
+from dspark_jax.cache import context_mask
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.layers import MLP, Attention, RMSNorm, attend, rope
+from dspark_jax.markov import markov_walk
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+def test_rms_norm_matches_reference():
+    norm = RMSNorm(16, eps=1e-6)
+    randomize(norm, 0)
+    x = _rng(1).standard_normal((2, 3, 16)) * 3.0
+    got = norm(_f32(x))
+    assert got.dtype == jnp.float32
+    assert rel_err(got, ref.rms_norm(x, np.asarray(norm.weight[...]), 1e-6)) <= TOL
+
+
+def test_rms_norm_keeps_bfloat16_input_dtype():
+    norm = RMSNorm(8, eps=1e-6, param_dtype=jnp.bfloat16)
+    assert norm.weight[...].dtype == jnp.bfloat16
+    assert norm(jnp.ones((2, 8), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_rope_matches_neox_reference():
+    x = _rng(2).standard_normal((2, 5, 3, 16))
+    positions = np.array([[0, 1, 2, 3, 4], [17, 18, 7, 9, 123]])
+    for theta in (10_000.0, 1_000_000.0):
+        got = rope(_f32(x), jnp.asarray(positions), theta)
+        assert rel_err(got, ref.rope(x, positions, theta)) <= TOL
+
+
+def test_rope_at_long_context_positions_stays_within_float32_angle_error():
+    x = _rng(2).standard_normal((1, 3, 2, 16))
+    positions = np.array([[40000, 40001, 40959]])
+    got = rope(_f32(x), jnp.asarray(positions), 1_000_000.0)
+    # Angles are float32 (as in Hugging Face): |error| <= position * 2**-23 ~ 5e-3 rad.
+    assert rel_err(got, ref.rope(x, positions, 1_000_000.0)) <= 5e-3
+
+
+def test_attend_grouped_query_matches_reference_with_masked_keys():
+    rng = _rng(3)
+    q = rng.standard_normal((2, 3, 4, 8))
+    k = rng.standard_normal((2, 6, 2, 8))
+    v = rng.standard_normal((2, 6, 2, 8))
+    mask = rng.random((2, 3, 6)) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    got = attend(_f32(q), _f32(k), _f32(v), jnp.asarray(mask))
+    assert rel_err(got, ref.gqa_attention(q, k, v, mask)) <= TOL
+
+
+def test_attend_gives_zeros_to_a_query_that_sees_no_key():
+    q = jnp.ones((1, 2, 2, 4))
+    kv = jnp.ones((1, 3, 1, 4))
+    mask = jnp.array([[[True, False, False], [False, False, False]]])
+    out = attend(q, kv, kv, mask)
+    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(out[0, 1] == 0))
+
+
+def test_mlp_matches_reference():
+    cfg = tiny_config()
+    mlp = MLP(cfg, rngs=nnx.Rngs(0))
+    randomize(mlp, 4)
+    p = {f"mlp.{n}.weight": np.asarray(getattr(mlp, n).kernel[...]).T for n in ("gate_proj", "up_proj", "down_proj")}
+    x = _rng(5).standard_normal((2, 3, cfg.hidden_size))
+    assert rel_err(mlp(_f32(x)), ref.mlp(x, p, "mlp.")) <= TOL
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_decoder_layer_over_context_and_block_matches_reference(attention_bias):
+    cfg = tiny_config(attention_bias=attention_bias)
+    draft = random_draft(cfg, seed=6)
+    layer = draft.layers[0]
+    p = hf_params(draft)
+    if attention_bias:
+        assert "layers.0.self_attn.o_proj.bias" in p  # Qwen3: o_proj has a bias iff q/k/v do
+    rng = _rng(7)
+    b, n, r = 2, 5, cfg.block_size
+    x = rng.standard_normal((b, r, cfg.hidden_size))
+    positions = np.array([[5, 6, 7, 8], [3, 4, 5, 6]])
+    ctx_k = rng.standard_normal((b, n, cfg.num_key_value_heads, cfg.head_dim))
+    ctx_v = rng.standard_normal((b, n, cfg.num_key_value_heads, cfg.head_dim))
+    ctx_mask = np.arange(n)[None] < np.array([[5], [3]])
+
+    def kv_fn(k, v):
+        keys = jnp.concatenate([_f32(ctx_k), k], axis=1)
+        values = jnp.concatenate([_f32(ctx_v), v], axis=1)
+        mask = jnp.concatenate([jnp.asarray(ctx_mask), jnp.ones((b, r), bool)], axis=1)
+        return keys, values, jnp.broadcast_to(mask[:, None], (b, r, n + r))
+
+    got = layer(_f32(x), jnp.asarray(positions), kv_fn)
+    want = ref.decoder_layer(x, positions, ctx_k, ctx_v, ctx_mask, p, 0, cfg)
+    assert rel_err(got, want) <= TOL
+
+
+def test_attention_module_projections_match_reference():
+    cfg = tiny_config(attention_bias=True)
+    attn = Attention(cfg, rngs=nnx.Rngs(0))
+    randomize(attn, 8)
+    p = {}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        p[f"layers.0.self_attn.{proj}.weight"] = np.asarray(getattr(attn, proj).kernel[...]).T
+        p[f"layers.0.self_attn.{proj}.bias"] = np.asarray(getattr(attn, proj).bias[...])
+    p["layers.0.self_attn.q_norm.weight"] = np.asarray(attn.q_norm.weight[...])
+    p["layers.0.self_attn.k_norm.weight"] = np.asarray(attn.k_norm.weight[...])
+    x = _rng(9).standard_normal((2, 3, cfg.hidden_size))
+    positions = np.array([[0, 1, 2], [10, 11, 12]])
+    q_ref, k_ref, v_ref = ref.project_qkv(x, positions, p, 0, cfg)
+    k, v = attn.key_value(_f32(x), jnp.asarray(positions))
+    assert rel_err(attn.query(_f32(x), jnp.asarray(positions)), q_ref) <= TOL
+    assert rel_err(k, k_ref) <= TOL and rel_err(v, v_ref) <= TOL
+
+
+def test_context_kv_fuses_then_projects_every_layer():
+    cfg = tiny_config()
+    draft = random_draft(cfg, seed=10)
+    p = hf_params(draft)
+    feats = _rng(11).standard_normal((2, 5, cfg.num_fused_layers * cfg.hidden_size))
+    positions = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    k, v = draft.context_kv(_f32(feats), jnp.asarray(positions))
+    assert k.shape == (cfg.num_hidden_layers, 2, 5, cfg.num_key_value_heads, cfg.head_dim)
+    k_ref, v_ref = ref.context_kv(feats, positions, p, cfg)
+    assert rel_err(draft.fuse_context(_f32(feats)), ref.fuse_context(feats, p, cfg)) <= TOL
+    assert rel_err(k, np.stack(k_ref)) <= TOL and rel_err(v, np.stack(v_ref)) <= TOL
+
+
+def _draft_forward(draft, bonus, prefix_lens, feats):
+    n = feats.shape[1]
+    ctx_pos = jnp.broadcast_to(jnp.arange(n), (feats.shape[0], n))
+    ctx_k, ctx_v = draft.context_kv(_f32(feats), ctx_pos)
+    ids = draft.block_ids(jnp.asarray(bonus))
+    positions = draft.block_positions(jnp.asarray(prefix_lens))
+    mask = context_mask(jnp.asarray(prefix_lens), n)
+    hidden = draft(ids, positions=positions, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask)
+    via_embeds = draft(input_embeds=draft.embed(ids), positions=positions, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask)
+    return ids, hidden, via_embeds
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["anchor", "dflash"])
+def test_full_draft_forward_matches_reference_in_both_slot_layouts(sample_from_anchor):
+    cfg = tiny_config(sample_from_anchor=sample_from_anchor)
+    draft = random_draft(cfg, seed=12)
+    p = hf_params(draft)
+    bonus = np.array([3, 17])
+    prefix_lens = np.array([6, 2])  # row 1 sees only the first two context tokens
+    feats = _rng(13).standard_normal((2, 6, cfg.num_fused_layers * cfg.hidden_size))
+    ids, hidden, via_embeds = _draft_forward(draft, bonus, prefix_lens, feats)
+    assert ids.shape == (2, cfg.num_query_rows)
+    np.testing.assert_array_equal(np.asarray(ids), ref.block_ids(bonus, cfg))
+    slots = draft.slots(hidden)
+    assert slots.shape == (2, cfg.gamma, cfg.hidden_size)
+    base = draft.base_logits(slots)
+    assert base.shape == (2, cfg.gamma, cfg.vocab_size)  # cropped from EMBED_ROWS
+    slots_ref, base_ref = ref.draft_forward(bonus, prefix_lens, feats, p, cfg)
+    assert rel_err(slots, slots_ref) <= TOL
+    assert rel_err(base, base_ref) <= TOL
+    np.testing.assert_array_equal(np.asarray(via_embeds), np.asarray(hidden))
+
+
+def test_draft_forward_without_ids_or_embeddings_raises():
+    draft = random_draft(tiny_config(), seed=0)
+    with pytest.raises(ValueError, match="needs input_ids or input_embeds"):
+        draft(positions=jnp.zeros((1, 4), jnp.int32), ctx_k=None, ctx_v=None, ctx_mask=None)
+
+
+def test_draft_refuses_a_borrowed_table_smaller_than_the_vocabulary():
+    cfg = tiny_config()
+    message = r"embed_tokens has shape \(39, 32\): expected \[V, 32\] with V >= vocab_size=40"
+    with pytest.raises(ValueError, match=message):
+        DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=jnp.zeros((39, 32)))
+
+
+HEADS = ["vanilla", "gated", "rnn"]
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_teacher_forced_markov_block_matches_reference(kind):
+    cfg = tiny_config(markov_head_type=kind)
+    draft = random_draft(cfg, seed=14)
+    p = hf_params(draft)
+    rng = _rng(15)
+    hidden = rng.standard_normal((3, cfg.gamma, cfg.hidden_size))
+    prev = rng.integers(0, cfg.vocab_size, (3, cfg.gamma))
+    got = draft.corrected_logits(_f32(hidden), jnp.asarray(prev))
+    base = hidden @ p["lm_head.weight"][: cfg.vocab_size].T
+    want = base + ref.markov_block(kind, p, prev, hidden)
+    assert got.dtype == jnp.float32
+    assert rel_err(got - _f32(base), want - base) <= TOL
+    assert rel_err(got, want) <= TOL
+
+
+def _greedy(k, logits):
+    return jnp.argmax(logits, axis=-1)
+
+
+def _np_greedy(k, logits):
+    return np.argmax(logits, axis=-1)
+
+
+def _gumbel(cfg, batch):
+    return _rng(16).gumbel(size=(cfg.gamma, batch, cfg.vocab_size))
+
+
+@pytest.mark.parametrize("picker", ["greedy", "sampled"])
+@pytest.mark.parametrize("kind", [*HEADS, None])
+def test_markov_walk_matches_reference(kind, picker):
+    if kind is None:  # DFlash-style: no Markov head, the walk only picks
+        cfg = tiny_config(markov_rank=0, confidence_head_with_markov=False)
+    else:
+        cfg = tiny_config(markov_head_type=kind)
+    draft = random_draft(cfg, seed=17)
+    p = hf_params(draft)
+    rng = _rng(18)
+    batch = 3
+    hidden = rng.standard_normal((batch, cfg.gamma, cfg.hidden_size))
+    base = hidden @ p["lm_head.weight"][: cfg.vocab_size].T
+    bonus = rng.integers(0, cfg.vocab_size, batch)
+    if picker == "greedy":
+        pick, np_pick = _greedy, _np_greedy
+    else:
+        noise = _gumbel(cfg, batch)  # Gumbel-max sampling at temperature 0.7, noise fixed per step
+        noise_j = _f32(noise)
+
+        def pick(k, logits):
+            return jnp.argmax(logits / 0.7 + noise_j[k], axis=-1)
+
+        def np_pick(k, logits):
+            return np.argmax(logits / 0.7 + noise[k], axis=-1)
+
+    tokens, corrected = markov_walk(draft.markov_head, _f32(base), _f32(hidden), jnp.asarray(bonus), pick)
+    tokens_ref, corrected_ref = ref.markov_walk(kind, p, base, hidden, bonus, np_pick)
+    assert tokens.dtype == jnp.int32 and corrected.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(tokens), tokens_ref)
+    assert rel_err(corrected, corrected_ref) <= TOL
+    if kind is not None:
+        # The walk feeds its own picks back: teacher-forcing on them gives the same logits.
+        prev = np.concatenate([bonus[:, None], tokens_ref[:, :-1]], axis=1)
+        forced = draft.corrected_logits(_f32(hidden), jnp.asarray(prev))
+        assert rel_err(forced, corrected_ref) <= TOL
+
+
+def test_rnn_state_is_carried_across_steps():
+    cfg = tiny_config(markov_head_type="rnn")
+    draft = random_draft(cfg, seed=19)
+    p = hf_params(draft)
+    rng = _rng(20)
+    hidden = rng.standard_normal((2, cfg.gamma, cfg.hidden_size))
+    prev = rng.integers(0, cfg.vocab_size, (2, cfg.gamma))
+    bias = ref.markov_block("rnn", p, prev, hidden)
+    # A stateless recomputation of step 2 (state reset to zero) must differ from the carried one.
+    _, reset = ref.markov_step("rnn", p, np.zeros((2, cfg.markov_rank)), prev[:, 2], hidden[:, 2])
+    assert rel_err(reset, bias[:, 2]) > 1e-3
+    got = draft.markov_head.block(jnp.asarray(prev), _f32(hidden))
+    assert rel_err(got, bias) <= TOL
+
+
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_confidence_head_with_sts_temperature_matches_reference(with_markov):
+    cfg = tiny_config(confidence_head_with_markov=with_markov)
+    draft = random_draft(cfg, seed=21)
+    p = hf_params(draft)
+    temperature = p["confidence_head.sts_temperature"]
+    assert not np.allclose(temperature, 1.0)
+    assert draft.confidence_head.proj.kernel[...].dtype == jnp.float32
+    rng = _rng(22)
+    hidden = rng.standard_normal((2, cfg.gamma, cfg.hidden_size))
+    prev = rng.integers(0, cfg.vocab_size, (2, cfg.gamma))
+    got = draft.confidence(_f32(hidden), jnp.asarray(prev))
+    assert got.dtype == jnp.float32 and got.shape == (2, cfg.gamma)
+    assert rel_err(got, ref.confidence(p, hidden, prev, with_markov, temperature)) <= TOL
+
+
+def test_confidence_head_stays_float32_in_a_bfloat16_draft():
+    cfg = tiny_config(dtype="bfloat16", param_dtype="bfloat16")
+    draft = random_draft(cfg, seed=23)
+    assert draft.fc.kernel[...].dtype == jnp.bfloat16
+    assert draft.confidence_head.proj.kernel[...].dtype == jnp.float32
+    assert draft.confidence_head.sts_temperature[...].dtype == jnp.float32
+    hidden = jnp.ones((1, cfg.gamma, cfg.hidden_size), jnp.bfloat16)
+    assert draft.confidence(hidden, jnp.zeros((1, cfg.gamma), jnp.int32)).dtype == jnp.float32

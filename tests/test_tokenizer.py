@@ -1,0 +1,107 @@
+"""The byte-level BPE tokenizer: round trips, merges, the tokenizer.json file."""
+
+import collections
+import json
+
+import pytest
+
+from dspark_jax.tokenizer import (
+    EOS_TOKEN,
+    MASK_TOKEN,
+    WORD_PATTERN,
+    bytes_to_unicode,
+    load_tokenizer,
+    train_bpe,
+)
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
+    'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n        self.x = x\n',
+    "for i in range(10):\n    print(i, i * i)  # squares\n" * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe(TEXTS, 300)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "plain ascii text",
+        "    indented\n\tand tabbed\r\n",
+        "unicode: héllo wörld 日本語 ✓ 🙂 x² ½",
+        "control \x00\x01\x7f bytes",
+        f"special {EOS_TOKEN} tokens {MASK_TOKEN}{MASK_TOKEN} inside",
+        "unseen words: zyxwvut qqqq 12345678901234567890",
+    ],
+)
+def test_decode_inverts_encode(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_every_character_class_is_covered_by_the_word_pattern():
+    import re
+
+    text = "a_b1 2.3 !!  \n\t x__y ü ² 日"
+    assert "".join(re.findall(WORD_PATTERN, text)) == text
+
+
+def test_special_tokens_encode_to_single_ids(tok):
+    ids = tok.encode(f"x{MASK_TOKEN}y{EOS_TOKEN}")
+    assert tok.mask_id in ids and tok.eos_id in ids
+    assert tok.mask_id != tok.eos_id
+    assert tok.vocab_size == 300
+    assert {tok.mask_id, tok.eos_id} == {298, 299}
+
+
+def test_first_merge_is_the_most_frequent_adjacent_byte_pair():
+    import re
+
+    counts = collections.Counter()
+    byte_char = bytes_to_unicode()
+    for text in TEXTS:
+        for word in re.findall(WORD_PATTERN, text):
+            symbols = [byte_char[b] for b in word.encode()]
+            counts.update(zip(symbols, symbols[1:]))
+    best = max(counts.values())
+    tok = train_bpe(TEXTS, 260)
+    assert counts[tok.merges[0]] == best
+
+
+def test_merges_shorten_the_encoding(tok):
+    text = TEXTS[0]
+    assert len(tok.encode(text)) < 0.7 * len(text.encode())
+
+
+def test_training_is_deterministic():
+    a, b = train_bpe(TEXTS, 280), train_bpe(list(TEXTS), 280)
+    assert a.merges == b.merges and a.vocab == b.vocab
+
+
+def test_saved_file_is_a_hugging_face_bpe_and_loads_back(tok, tmp_path):
+    path = tok.save(tmp_path)
+    with open(path) as f:
+        data = json.load(f)
+    assert data["model"]["type"] == "BPE"
+    assert all(isinstance(m, str) and len(m.split(" ")) == 2 for m in data["model"]["merges"])
+    assert data["pre_tokenizer"]["pretokenizers"][1]["type"] == "ByteLevel"
+    assert data["decoder"]["type"] == "ByteLevel"
+    assert {t["content"] for t in data["added_tokens"]} == {EOS_TOKEN, MASK_TOKEN}
+    again = load_tokenizer(tmp_path)
+    text = TEXTS[1] + MASK_TOKEN + "ünïcode"
+    assert again.encode(text) == tok.encode(text)
+    assert again.vocab_size == tok.vocab_size
+
+
+def test_bad_arguments_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_bpe(TEXTS, 100)
+    with pytest.raises(ValueError, match="no text"):
+        train_bpe(["", ""], 300)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(TypeError, match="str"):
+        train_bpe(TEXTS, 260).encode(b"bytes")
