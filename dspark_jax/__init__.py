@@ -51,10 +51,35 @@ _EXPORTS = {
     "propose_with": "dspark_jax.proposal",
     "propose_eager": "dspark_jax.proposal",
     "validate_proposal_inputs": "dspark_jax.proposal",
+    "FoldedSampling": "dspark_jax.memory_gate",
+    "GateDecision": "dspark_jax.memory_gate",
+    "plan_folded_sampling": "dspark_jax.memory_gate",
+    "Proposer": "dspark_jax.proposer",
+    "CompileCounter": "dspark_jax.proposer",
+    "batch_buckets": "dspark_jax.proposer",
+    # checkpoints and presets (issue 2)
+    "load_draft": "dspark_jax.checkpoint",
+    "save_draft": "dspark_jax.checkpoint",
+    "load_preset": "dspark_jax.presets",
+    "list_presets": "dspark_jax.presets",
     # target
     "KVCache": "dspark_jax.target",
     "Target": "dspark_jax.target",
     "Qwen3Target": "dspark_jax.target",
+    # target checkpoints, accept, commit, generation (issue 4). The functions accept, commit and
+    # generate share their module's name, so importing the module would shadow them here:
+    # import them from dspark_jax.accept / dspark_jax.commit / dspark_jax.generate.
+    "load_target": "dspark_jax.target",
+    "save_target": "dspark_jax.target",
+    "check_pair": "dspark_jax.target",
+    "accept_with_noise": "dspark_jax.accept",
+    "apply_top_k_top_p": "dspark_jax.accept",
+    "target_probs": "dspark_jax.accept",
+    "sample_tokens": "dspark_jax.accept",
+    "schedule_verify_lengths": "dspark_jax.accept",
+    "prefill": "dspark_jax.commit",
+    "speculative_generate": "dspark_jax.generate",
+    "GenerationResult": "dspark_jax.generate",
 }
 
 

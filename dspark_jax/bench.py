@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from dspark_jax.draft import DSparkDraft
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
+PATHS = ("folded_greedy", "folded", "proposer", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -343,12 +345,16 @@ def bench_propose(
     eager_iters: int,
     ceilings: dict[str, float],
     profile: bool,
+    modes: tuple[str, ...] = MODES,
+    paths: tuple[str, ...] = PATHS,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
-    Paths: ``folded`` (one compiled call, sampling folded in: the program every mode
-    runs), ``folded_greedy`` (``fold_sampling=False``, greedy batches only) and
-    ``eager`` (:func:`~dspark_jax.proposal.propose_eager`).
+    Paths: ``folded`` (``jax.jit(propose)``, sampling folded in: the program every mode
+    runs), ``folded_greedy`` (``fold_sampling=False``, greedy batches only), ``proposer``
+    (:class:`~dspark_jax.proposer.Proposer`: host-side checks and padding, the slot
+    gather, the folded round; inputs on the host as a server holds them) and ``eager``
+    (:func:`~dspark_jax.proposal.propose_eager`).
 
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
@@ -356,21 +362,27 @@ def bench_propose(
       after a batch is that batch's peak.
     """
     from dspark_jax.proposal import propose, propose_eager
+    from dspark_jax.proposer import Proposer
 
     folded = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     draft = nnx.merge(graphdef, state)
     capacity = context + 2 * cfg.num_query_rows
+    if "proposer" in paths:
+        proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
+        shared = _inputs(cfg, max(batches), context, capacity, seed=0)["cache"]  # the Proposer's slots
     key = jax.random.key(7)
     bandwidth = ceilings["elementwise_bytes_per_s"]
     rows, memory = [], []
     for batch in sorted(batches):
         inp = _inputs(cfg, batch, context, capacity, seed=batch)
+        host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
         mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
-        for path, fold_sampling, modes in (("folded_greedy", False, ("greedy",)), ("folded", True, MODES)):
+        for path, fold_sampling, path_modes in (("folded_greedy", False, ("greedy",)), ("folded", True, MODES)):
+            path_modes = [m for m in path_modes if m in modes] if path in paths else []
             cost = round_cost(cfg, batch, context, folded_sampling=fold_sampling)
             floor, bound = floor_ms(cost, bandwidth, ceilings["matmul_flops_per_s"])
             floor_copy, _ = floor_ms(cost, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
-            for mode in modes:
+            for mode in path_modes:
                 temps, top_k = sampling_params(batch, mode)
                 args = (graphdef, state, inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
 
@@ -393,10 +405,20 @@ def bench_propose(
                     "floor_copy_ms": floor_copy,
                 }
                 if profile and mode in ("greedy", "mixed"):
-                    row["profile"] = profile_kernels(call, iters=min(iters, 10))
+                    try:
+                        row["profile"] = profile_kernels(call, iters=min(iters, 10))
+                    except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing
+                        row["profile"] = {"error": repr(err)}
                 rows.append(row)
             mem_row[f"peak_after_{path}_bytes"] = _memory_stat("peak_bytes_in_use")
-        for mode in MODES if eager_iters else ():
+        for mode in modes if "proposer" in paths else ():
+            temps, top_k = (np.asarray(a) for a in sampling_params(batch, mode))
+
+            def call_proposer(temps=temps, top_k=top_k, host=host):
+                return proposer(shared, host["bonus"], host["prefix_lens"], temps, top_k, key)
+
+            rows.append({"batch": batch, "mode": mode, "path": "proposer", **time_call(call_proposer, iters=iters)})
+        for mode in modes if "eager" in paths and eager_iters else ():
             temps, top_k = sampling_params(batch, mode)
 
             def call_eager(temps=temps, top_k=top_k, inp=inp):
@@ -414,64 +436,84 @@ def _memory_stat(name: str) -> int | None:
 
 
 # --------------------------------------------------------------------------- compile
-def _compile_worker(shapes: BenchShapes, max_batch: int) -> dict[str, Any]:
-    """Compiles ``propose`` for every power-of-two bucket up to ``max_batch`` and both modes.
+def _compile_worker(shapes: BenchShapes, max_batch: int, *, measure_memory: bool) -> dict[str, Any]:
+    """Times :meth:`~dspark_jax.proposer.Proposer.precompile`; optionally measures peak memory.
 
-    Runs in a fresh subprocess (see :func:`bench_compile`) on abstract weights, so it
-    measures compilation alone; the persistent cache directory comes from the
-    ``JAX_COMPILATION_CACHE_DIR`` environment variable.
+    Runs in a fresh subprocess (see :func:`bench_compile`); the persistent compilation
+    cache directory comes from ``JAX_COMPILATION_CACHE_DIR``. Each (bucket, mode)
+    executable is built first on its own (timed), then ``precompile()`` adds what is
+    left (the gate's refinement and the unpadding slicers). Without ``measure_memory``
+    the draft is abstract (``nnx.eval_shape``), so only compilation is measured.
+
+    With ``measure_memory``, the draft has real random weights and, after
+    ``precompile()``, one greedy and one all-sampling call at ``max_batch`` are run;
+    the device's peak memory after each is compared with the gate's prediction.
     """
-    from dspark_jax.proposal import propose
+    from dspark_jax.proposer import Proposer
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cfg = draft_config(shapes)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0))))
     capacity = shapes.context + 2 * cfg.num_query_rows
-    folded = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
-    key = jax.random.key(0)
-    buckets, batch = [], 1
-    while batch <= max_batch:
-        cache_shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        cache = ContextCache(*(jax.ShapeDtypeStruct(cache_shape, cfg.jnp_dtype) for _ in range(2)))
-        ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        temps = jax.ShapeDtypeStruct((batch,), jnp.float32)
-        for fold_sampling in (False, True):
+    if measure_memory:
+        draft = nnx.merge(*build_draft(cfg))
+    else:
+        draft = nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0)))
+    proposer = Proposer(draft, max_batch=max_batch, capacity=capacity, folded_sampling="force")
+    buckets = []
+    t_all = time.perf_counter()
+    for bucket in proposer.buckets:
+        for sampling in (False, True):
             t0 = time.perf_counter()
-            folded.lower(graphdef, state, cache, ints, ints, temps, ints, key, fold_sampling=fold_sampling).compile()
-            buckets.append({"batch": batch, "fold_sampling": fold_sampling, "seconds": time.perf_counter() - t0})
-        batch *= 2
-    return {"buckets": buckets, "total_seconds": sum(b["seconds"] for b in buckets)}
+            proposer._compile_folded(bucket, sampling)
+            buckets.append({"batch": bucket, "fold_sampling": sampling, "seconds": time.perf_counter() - t0})
+    t0 = time.perf_counter()
+    gate = proposer.precompile()
+    rest = time.perf_counter() - t0
+    out = {
+        "buckets": buckets,
+        "rest_seconds": rest,
+        "total_seconds": time.perf_counter() - t_all,
+        "gate": {
+            "closed_form_bytes": gate.closed_form_bytes,
+            "compiled_bytes": gate.compiled_bytes,
+            "enabled": gate.enabled,
+        },
+    }
+    if measure_memory:
+        inp = _inputs(cfg, max_batch, shapes.context, capacity, seed=0)
+        host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
+        key = jax.random.key(0)
+        jax.block_until_ready(inp["cache"])
+        out["memory"] = {"batch": max_batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
+        for mode in ("greedy", "sampling"):
+            temps, top_k = (np.asarray(a) for a in sampling_params(max_batch, mode))
+            jax.block_until_ready(proposer(inp["cache"], host["bonus"], host["prefix_lens"], temps, top_k, key))
+            out["memory"][f"peak_after_{mode}_bytes"] = _memory_stat("peak_bytes_in_use")
+        peaks = out["memory"]["peak_after_sampling_bytes"], out["memory"]["peak_after_greedy_bytes"]
+        out["memory"]["sampling_extra_bytes"] = None if None in peaks else peaks[0] - peaks[1]
+    return out
 
 
-def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str | None = None) -> dict[str, Any]:
-    """Compile time of every bucket, cold and from the persistent compilation cache.
+def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str) -> dict[str, Any]:
+    """Precompile time of every bucket and mode, cold and from the persistent cache.
 
-    Runs :func:`_compile_worker` twice in fresh subprocesses sharing one
-    ``JAX_COMPILATION_CACHE_DIR`` (a new temporary directory unless ``cache_dir`` is
-    given): the first run fills the cache, the second reads it.
+    Runs :func:`_compile_worker` twice in fresh subprocesses sharing the persistent
+    compilation cache ``cache_dir`` (empty at the start): the first run fills it, the
+    second reads it and then measures peak memory against the gate's prediction.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir or tmp, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        cmd = [
-            sys.executable,
-            "-m",
-            "dspark_jax.bench",
-            "--compile-worker",
-            "--shapes",
-            shapes.name,
-            "--max-batch",
-            str(max_batch),
-        ]
-        out = {}
-        for run in ("cold", "cached"):
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            wall = time.perf_counter() - t0
-            if proc.returncode:
-                out[run] = {"error": proc.stderr[-2000:]}
-                continue
-            out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": wall}
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "dspark_jax.bench", "--compile-worker", "--shapes", shapes.name]
+    cmd += ["--max-batch", str(max_batch)]
+    out = {}
+    for run, extra in (("cold", []), ("cached", ["--measure-memory"])):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            out[run] = {"error": proc.stderr[-3000:]}
+            continue
+        out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": wall}
     return out
 
 
@@ -700,15 +742,25 @@ def format_table(result: dict[str, Any]) -> str:
         for run in ("cold", "cached"):
             c = comp.get(run, {})
             if "error" in c:
-                lines.append(f"compile ({run}): failed: {c['error'].strip().splitlines()[-1]}")
+                lines.append(f"precompile ({run}): failed: {c['error'].strip().splitlines()[-1]}")
             elif c:
                 per = ", ".join(
                     f"{b['batch']}{'s' if b['fold_sampling'] else 'g'} {b['seconds']:.1f}" for b in c["buckets"]
                 )
                 lines.append(
-                    f"compile ({run}): {c['total_seconds']:.1f} s for {len(c['buckets'])} programs "
-                    f"(process {c['process_seconds']:.1f} s); per bucket (s = sampling folded, g = greedy): {per}"
+                    f"precompile ({run}): {c['total_seconds']:.1f} s (process {c['process_seconds']:.1f} s); "
+                    f"per bucket, s = sampling folded, g = greedy-only: {per}; slicers and gate {c['rest_seconds']:.1f}"
                 )
+        mem = comp.get("cached", {}).get("memory")
+        if mem and mem.get("sampling_extra_bytes") is not None:
+            gate = comp["cached"]["gate"]
+            lines.append(
+                f"memory gate at batch {mem['batch']}: folded sampling adds {mem['sampling_extra_bytes'] / 1e9:.3f} GB "
+                f"to the measured peak (greedy {_gb(mem['peak_after_greedy_bytes']):.2f} GB, sampling "
+                f"{_gb(mem['peak_after_sampling_bytes']):.2f} GB, before {_gb(mem['in_use_before_bytes']):.2f} GB); "
+                f"gate predicts {_gb(gate['closed_form_bytes']):.3f} GB closed form, "
+                f"{_fmt(_gb(gate['compiled_bytes']))} GB compiled"
+            )
     for m in result.get("memory", []):
         lines.append(
             "memory batch {batch}: in use before {b} GB, peak after greedy-only {g} GB, after folded {f} GB".format(
@@ -746,12 +798,25 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
+def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v for v in text.split(",") if v)
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a comma-separated subset of {allowed}")
+        return values
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Registers the ``dspark-jax bench`` flags."""
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="8b", help="model shapes (default 8b)")
     parser.add_argument("--batches", type=_batches, default=None, help="comma-separated batch sizes")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
     parser.add_argument("--eager-iters", type=int, default=None, help="timed eager calls (0 skips eager)")
+    parser.add_argument("--modes", type=_choices(MODES), default=MODES, help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--paths", type=_choices(PATHS), default=PATHS, help=f"comma-separated subset of {PATHS}")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
     parser.add_argument("--max-batch", type=int, default=None, help="largest precompiled bucket (default max batch)")
@@ -762,6 +827,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -776,7 +842,7 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
     if args.compile_worker:
-        print(json.dumps(_compile_worker(shapes, args.max_batch or max(batches))))
+        print(json.dumps(_compile_worker(shapes, args.max_batch or max(batches), measure_memory=args.measure_memory)))
         return 0
     result: dict[str, Any] = {
         "meta": {
@@ -792,11 +858,36 @@ def run(args: argparse.Namespace) -> int:
     # Subprocesses first: this process's device allocator must not hold the memory yet.
     if not args.no_torch:
         result["torch"] = bench_torch(shapes, batches, iters)
-    if not args.no_compile:
-        result["compile"] = bench_compile(shapes, args.max_batch or max(batches))
+        _save(args.out, result)
+    cache_dir = tempfile.mkdtemp(prefix="dspark_bench_cache_")
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        if not args.no_compile:
+            result["compile"] = bench_compile(shapes, args.max_batch or max(batches), cache_dir)
+            _save(args.out, result)
+            # The timed programs below load what the compile runs stored.
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
+        _measure(args, shapes, batches, iters, eager_iters, result)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    print(format_table(result))
+    _save(args.out, result)
+    return 0
+
+
+def _save(path: str | None, result: dict[str, Any]) -> None:
+    """Writes the result so far (so a later stage's failure keeps the earlier numbers)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
     device = jax.devices()[0]
     result["meta"].update(backend=jax.default_backend(), device=device.device_kind)
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
+    _save(args.out, result)
     cfg = draft_config(shapes)
     graphdef, state = build_draft(cfg)
     result["propose"], result["memory"] = bench_propose(
@@ -809,17 +900,15 @@ def run(args: argparse.Namespace) -> int:
         eager_iters=eager_iters,
         ceilings=result["ceilings"],
         profile=args.profile,
+        modes=args.modes,
+        paths=args.paths,
     )
+    _save(args.out, result)
     del graphdef, state
     if args.e2e:
         result["e2e"] = bench_e2e(
             shapes, target_layers=args.e2e_layers or shapes.target_layers, tau=args.tau, rounds=shapes.e2e_steps
         )
-    print(format_table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,8 @@ class _TensorFiles:
                 present = set(f.keys())
                 for raw in names:
                     if raw not in present:
-                        raise ValueError(f"tensor {raw!r} is listed for {os.path.basename(path)!r} but not stored in it")
+                        shard = os.path.basename(path)
+                        raise ValueError(f"tensor {raw!r} is listed for {shard!r} but not stored in it")
                     name = raw[len(_PREFIX) :] if raw.startswith(_PREFIX) else raw
                     if name in self.location:
                         raise ValueError(
@@ -144,9 +145,8 @@ def _check_layout(cfg: DraftConfig, raw: dict[str, Any], layout: str | None) -> 
     if "sample_from_anchor" in raw:
         source = f"sets sample_from_anchor={raw['sample_from_anchor']!r}"
     else:
-        source = (
-            f"does not set sample_from_anchor, and its producer's default is sample_from_anchor={cfg.sample_from_anchor}"
-        )
+        default = cfg.sample_from_anchor
+        source = f"does not set sample_from_anchor, and its producer's default is sample_from_anchor={default}"
     raise ValueError(
         f"layout={layout!r} contradicts the checkpoint: its config.json {source} (layout={cfg.layout!r}). "
         "A draft run with the wrong slot layout accepts about one token per round, so the loader refuses "

@@ -303,9 +303,14 @@ class DraftConfig:
     def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> DraftConfig:
         """Builds the config from a DeepSpec, DFlash or speculators ``config.json`` dict.
 
+        The file's ``block_size`` counts query rows, so a DFlash-layout file's value is
+        γ+1 and becomes ``block_size=γ`` here; see the module docstring for the layout a
+        file gets when it does not state ``sample_from_anchor``.
+
         Args:
           hf: the parsed ``config.json``.
-          **overrides: fields to set regardless of the file (``dtype`` for example).
+          **overrides: fields to set regardless of the file (``dtype`` for example), in
+            this class's terms (``block_size`` is γ).
         """
         if not isinstance(hf, dict):
             raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
@@ -327,7 +332,11 @@ class DraftConfig:
         return cls.from_hf_config(_read_json(path), **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The DeepSpec ``config.json`` form (read back by :meth:`from_hf_config`)."""
+        """The DeepSpec ``config.json`` form (read back by :meth:`from_hf_config`).
+
+        ``block_size`` is written as the number of query rows and ``sample_from_anchor``
+        always explicitly, so the file is unambiguous for every reader.
+        """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["target_layer_ids"] = list(self.target_layer_ids)
         out["block_size"] = self.num_query_rows

@@ -50,8 +50,9 @@ class GenerationResult:
       tau: per request, mean tokens committed per round it took part in (accepted
         drafts + bonus, before the final cut); NaN for a request that needed no round.
       tau_overall: total committed tokens / total request-rounds.
-      acceptance_by_position: ``[γ]`` fraction of request-rounds whose draft ``k``
-        (1-based position ``k + 1``) was accepted; empty for :func:`generate`.
+      acceptance_by_position: ``[γ]``; entry ``k − 1`` is the fraction of request-rounds
+        that accepted draft ``d_k`` (so it never increases with ``k``); empty for
+        :func:`generate`.
       accept_length_counts: ``[γ + 1]`` request-rounds with ``correct_len = 0 … γ``.
       seconds: wall time of the call, compilation included.
     """
@@ -394,40 +395,37 @@ def speculative_generate(
     while not bool(jnp.all(state.done)) and rounds < int(max_new.max()):
         state = _round(target_state, draft_state, state, requests, fold_sampling=fold, **static)
         rounds += 1
-    return _result(state, max_new, requests, rounds, started, gamma)
+    return _result(state, max_new, requests, rounds, started)
 
 
-def _result(state, max_new, requests, rounds, started, gamma) -> GenerationResult:
-    out, n_out = np.asarray(state.out), np.asarray(state.n_out)
-    stop = np.asarray(requests.stop)
+def _cut(out: np.ndarray, n_out: np.ndarray, max_new: np.ndarray, stop: np.ndarray) -> list[list[int]]:
+    """Each row's output up to its max_new_tokens and through its first stop token."""
     tokens = []
     for b in range(out.shape[0]):
         row = out[b, : min(int(n_out[b]), int(max_new[b]))].tolist()
         stops = set(stop[b][stop[b] >= 0].tolist())
-        for i, t in enumerate(row):
-            if t in stops:
-                row = row[: i + 1]
-                break
-        tokens.append(row)
-    seconds = time.perf_counter() - started
-    if gamma == 0:
-        return GenerationResult(tokens, rounds, [1.0] * len(tokens), 1.0, [], [], seconds)
-    per_rounds = np.asarray(state.rounds)
+        first_stop = next((i for i, t in enumerate(row) if t in stops), None)
+        tokens.append(row if first_stop is None else row[: first_stop + 1])
+    return tokens
+
+
+def _result(state: DecodeState, max_new, requests: Requests, rounds: int, started: float) -> GenerationResult:
+    tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
     counts = np.asarray(state.accept_counts)  # [B, γ + 1]
-    committed = counts @ np.arange(1, gamma + 2)  # [B]
+    gamma = counts.shape[1] - 1
+    committed = counts @ np.arange(1, gamma + 2)  # [B] tokens committed over all rounds
     with np.errstate(invalid="ignore", divide="ignore"):
-        tau = (committed / per_rounds).tolist()
-    total = counts.sum(0)
-    n = max(int(total.sum()), 1)
-    accepted_at = [float(total[k:].sum() / n) for k in range(1, gamma + 1)]
+        tau = (committed / np.asarray(state.rounds)).tolist()
+    total = counts.sum(0)  # [γ + 1]
+    n = int(total.sum())
     return GenerationResult(
         tokens=tokens,
         rounds=rounds,
         tau=tau,
-        tau_overall=float(committed.sum() / n) if total.sum() else float("nan"),
-        acceptance_by_position=accepted_at,
+        tau_overall=float(committed.sum() / n) if n else float("nan"),
+        acceptance_by_position=[float(total[k:].sum() / max(n, 1)) for k in range(1, gamma + 1)],
         accept_length_counts=total.tolist(),
-        seconds=seconds,
+        seconds=time.perf_counter() - started,
     )
 
 
@@ -522,5 +520,13 @@ def generate(
     while not bool(jnp.all(state.done)) and steps < int(max_new.max()):
         state = _plain_step(target_state, state, requests, target_def=target_def)
         steps += 1
-    result = _result(state, max_new, requests, steps, started, 0)
-    return dataclasses.replace(result, tau=[1.0] * len(result.tokens))
+    tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
+    return GenerationResult(
+        tokens=tokens,
+        rounds=steps,
+        tau=[1.0] * len(tokens),
+        tau_overall=1.0,
+        acceptance_by_position=[],
+        accept_length_counts=[],
+        seconds=time.perf_counter() - started,
+    )

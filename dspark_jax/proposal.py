@@ -194,7 +194,7 @@ def validate_proposal_inputs(
     bad = ~(np.isfinite(temps) & (temps >= 0))
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"temperatures[{i}]={temps[i]!r} is invalid: must be finite and >= 0 (0 = greedy)")
+        raise ValueError(f"temperatures[{i}]={float(temps[i])!r} is invalid: must be finite and >= 0 (0 = greedy)")
     if slots is not None:
         slots = np.asarray(slots)
         if slots.shape != (batch,):

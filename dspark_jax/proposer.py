@@ -64,8 +64,10 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 class CompileCounter:
     """Counts XLA compilations while active (a context manager).
 
-    Listens to the public ``jax.monitoring`` events: backend compiles, loads from the
-    persistent compilation cache, and lowerings (every jit cache miss lowers).
+    Listens to public ``jax.monitoring`` events: ``backend_compiles`` counts executables
+    built (``/jax/core/compile/backend_compile_duration`` wraps both an XLA compile and a
+    load from the persistent compilation cache), ``cache_hits`` how many of those were
+    loads, and ``lowerings`` every jaxpr lowered to MLIR (each jit cache miss lowers).
 
     Example::
 
@@ -81,8 +83,8 @@ class CompileCounter:
 
     @property
     def count(self) -> int:
-        """Executables built or loaded (backend compiles + persistent-cache hits)."""
-        return self.backend_compiles + self.cache_hits
+        """Executables built or loaded from the persistent cache."""
+        return self.backend_compiles
 
     def _on_duration(self, event: str, duration: float, **kwargs: Any) -> None:
         del duration, kwargs
@@ -174,6 +176,7 @@ class Proposer:
         folded_sampling: FoldedSampling | str | None = None,
         free_bytes: int | None = None,
         headroom: int = GIB,
+        unpad: bool = True,
     ):
         """Splits the draft and plans the gate (closed form; refined by ``precompile``).
 
@@ -186,6 +189,9 @@ class Proposer:
           folded_sampling: gate mode; None reads ``DSPARK_JAX_FOLDED_SAMPLING`` (default AUTO).
           free_bytes: free memory for the gate; measured when None.
           headroom: bytes the gate keeps free.
+          unpad: slice results back to ``B`` rows (one small precompiled slicer per row
+            count); False returns the bucket's ``Bp`` rows (rows ``>= B`` are padding) and
+            compiles no slicers, for callers that keep bucket shapes through verify.
         """
         self.cfg = draft.cfg
         self.buckets = batch_buckets(max_batch)
@@ -202,11 +208,12 @@ class Proposer:
         self.graphdef, self.state = nnx.split(draft)
         self._free_bytes = free_bytes
         self._headroom = headroom
+        self.unpad = unpad
         self._warned = False
         self._folded: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._eager_inputs: dict[int, jax.stages.Compiled] = {}
         self._eager_warm: set[int] = set()
-        self._unpad: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
 
     # ----------------------------------------------------------------- gate
@@ -253,8 +260,8 @@ class Proposer:
             self._folded[bucket, sampling] = fn.lower(self.state, *self._specs(bucket)).compile()
         return self._folded[bucket, sampling]
 
-    def _compile_unpad(self, rows: int, sampling: bool) -> jax.stages.Compiled:
-        if (rows, sampling) not in self._unpad:
+    def _compile_slicer(self, rows: int, sampling: bool) -> jax.stages.Compiled:
+        if (rows, sampling) not in self._slicers:
             bucket, cfg = self.bucket(rows), self.cfg
             conf = cfg.gamma if cfg.enable_confidence_head else 0
             block = DraftBlock(
@@ -266,8 +273,8 @@ class Proposer:
                 temperatures=jax.ShapeDtypeStruct((bucket,), jnp.float32),
                 confidence=jax.ShapeDtypeStruct((bucket, conf), jnp.float32),
             )
-            self._unpad[rows, sampling] = jax.jit(functools.partial(_unpad, rows)).lower(block).compile()
-        return self._unpad[rows, sampling]
+            self._slicers[rows, sampling] = jax.jit(functools.partial(_unpad, rows)).lower(block).compile()
+        return self._slicers[rows, sampling]
 
     def _warm_eager(self, bucket: int) -> None:
         """Compiles the eager path's pieces at ``bucket`` by running them once on dummies."""
@@ -295,17 +302,19 @@ class Proposer:
     def precompile(self) -> GateDecision:
         """Compiles every (bucket, mode) and the slicers; decides the gate with XLA's numbers.
 
-        Greedy-only executables for every bucket; in OFF mode nothing else folded. Otherwise
-        the sampling executable at ``max_batch`` is compiled first and its memory analysis
-        (minus the greedy-only one's) refines the gate; when the gate allows it, sampling
-        executables for every bucket follow, else the eager path is warmed per bucket.
+        Greedy-only executables for every bucket first. Then, unless the gate is already
+        closed (OFF, or AUTO short of memory by the closed form), the sampling executable at
+        ``max_batch`` is compiled and its memory analysis (minus the greedy-only one's)
+        refines the gate; when the gate allows it, sampling executables for every bucket
+        follow, else the eager path is warmed per bucket.
 
         Returns:
           The gate decision (also ``self.gate``).
         """
         for bucket in self.buckets:
             self._compile_folded(bucket, False)
-        if self.gate.mode is not FoldedSampling.OFF:
+        # The gate compares the larger estimate, so XLA's can only matter when the closed form fits.
+        if self.gate.mode is FoldedSampling.FORCE or self.gate.enabled:
             top = self.buckets[-1]
             sampled = executable_bytes(self._compile_folded(top, True))
             greedy = executable_bytes(self._folded[top, False])
@@ -319,9 +328,9 @@ class Proposer:
             else:
                 self._warm_eager(bucket)
         for rows in range(1, self.max_batch + 1):
-            if rows != self.bucket(rows):
+            if self.unpad and rows != self.bucket(rows):
                 for sampling in (False, True):
-                    self._compile_unpad(rows, sampling)
+                    self._compile_slicer(rows, sampling)
         return self.gate
 
     # -------------------------------------------------------------- serving
@@ -387,7 +396,8 @@ class Proposer:
           slots: ``[B]`` cache slot of each row (default ``0..B−1``).
 
         Returns:
-          The :class:`~dspark_jax.proposal.DraftBlock` of the ``B`` rows.
+          The :class:`~dspark_jax.proposal.DraftBlock` of the ``B`` rows (of the bucket's
+          ``Bp`` rows when ``unpad=False``).
         """
         rows = np.shape(bonus)[0] if np.ndim(bonus) == 1 else 0
         if slots is None:
@@ -415,6 +425,6 @@ class Proposer:
             block = self._run_eager(bucket, cache, *args)
         else:
             block = self._compile_folded(bucket, sampling)(self.state, cache, *args)
-        if rows == bucket:
+        if rows == bucket or not self.unpad:
             return block
-        return self._compile_unpad(rows, sampling)(block)
+        return self._compile_slicer(rows, sampling)(block)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import json
 import os
 import re
@@ -107,7 +108,9 @@ class Tokenizer:
             return ids
         symbols = list(_word_symbols(word))
         while len(symbols) > 1:
-            pairs = [(self.ranks.get((a, b), len(self.ranks)), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+            pairs = [
+                (self.ranks.get((a, b), len(self.ranks)), i) for i, (a, b) in enumerate(itertools.pairwise(symbols))
+            ]
             rank, _ = min(pairs)
             if rank == len(self.ranks):
                 break
@@ -266,7 +269,7 @@ def train_bpe(
     counts: collections.Counter[tuple[int, int]] = collections.Counter()
     where: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
     for w, seq in enumerate(seqs):
-        for pair in zip(seq, seq[1:]):
+        for pair in itertools.pairwise(seq):
             counts[pair] += freqs[w]
             where[pair].add(w)
     heap = [(-c, pair) for pair, c in counts.items()]
@@ -298,10 +301,10 @@ def train_bpe(
                     i += 1
             if len(merged) == len(seq):
                 continue
-            for p in zip(seq, seq[1:]):
+            for p in itertools.pairwise(seq):
                 counts[p] -= freqs[w]
                 touched.add(p)
-            for p in zip(merged, merged[1:]):
+            for p in itertools.pairwise(merged):
                 counts[p] += freqs[w]
                 where[p].add(w)
                 touched.add(p)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -145,7 +146,7 @@ def cast_params(module: nnx.Module, dtype: str) -> None:
     target = jnp.dtype(dtype)
     for _, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Param) and jnp.issubdtype(var[...].dtype, jnp.floating):
-            var[...] = var[...].astype(target)
+            var.set_value(var.get_value().astype(target))
 
 
 # --------------------------------------------------------------------------- the draft loss
@@ -312,9 +313,7 @@ def draft_loss(
         return jnp.mean(jnp.sum(x * w, axis=-1))
 
     metrics = {name: weighted(x) for name, x in terms.items()}
-    loss = (
-        tcfg.ce_weight * metrics["ce"] + tcfg.tv_weight * metrics["tv"] + tcfg.confidence_weight * metrics["bce"]
-    )
+    loss = tcfg.ce_weight * metrics["ce"] + tcfg.tv_weight * metrics["tv"] + tcfg.confidence_weight * metrics["bce"]
     return loss, {"loss": loss, **metrics}
 
 
@@ -393,9 +392,50 @@ def evaluate_draft(
     return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
 
 
+def distillation_data(
+    target, tokens: np.ndarray, *, count: int, seq_len: int, prompt_len: int = 32, seed: int = 0, batch: int = 2048
+) -> np.ndarray:
+    """Sequences the target writes itself from prompts of the training text (DeepSpec trains on
+    target-generated responses): half greedy, half sampled at temperature 1.
+
+    Args:
+      target: the target.
+      tokens: ``[N]`` training token stream the prompts are cut from.
+      count: number of sequences.
+      seq_len: tokens per sequence (prompt included).
+      prompt_len: prompt tokens.
+      seed: prompt choice and sampling key.
+      batch: sequences generated per call.
+
+    Returns:
+      ``[count, seq_len]`` int32.
+    """
+    from dspark_jax.generate import generate
+
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f"prompt_len={prompt_len!r} is invalid: must lie in 1..seq_len-1={seq_len - 1}")
+    tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)
+    rng = np.random.default_rng([seed, 1])
+    out = np.zeros((count, seq_len), np.int32)
+    for i in range(0, count, batch):
+        prompts = sample_windows(tokens, min(batch, count - i), prompt_len, rng)
+        temps = [float(j % 2) for j in range(len(prompts))]
+        result = generate(
+            target,
+            prompts.tolist(),
+            max_new_tokens=seq_len - prompt_len,
+            temperature=temps,
+            key=jax.random.fold_in(jax.random.key(seed), i),
+        )
+        for j, new in enumerate(result.tokens):
+            out[i + j, :prompt_len] = prompts[j]
+            out[i + j, prompt_len:] = new
+    return out
+
+
 @dataclasses.dataclass
 class TrainResult:
-    """The trained model and the per-step metrics (``history[name][i]`` at step ``i + 1``)."""
+    """The trained model, the metrics of the steps run, and the last step done."""
 
     model: nnx.Module
     history: dict[str, list[float]]
@@ -412,6 +452,8 @@ def train_draft(
     resume: bool = False,
     progress: bool = True,
     stop_at: int | None = None,
+    max_seconds: float | None = None,
+    distilled: np.ndarray | None = None,
 ) -> TrainResult:
     """Trains a DSpark (or DFlash-style, ``markov_rank=0``) draft against a frozen target.
 
@@ -426,6 +468,10 @@ def train_draft(
       progress: draw the progress bar on stderr.
       stop_at: stop after this step (< ``tcfg.steps``), as if interrupted; the schedule
         still spans ``tcfg.steps``.
+      max_seconds: also stop (and checkpoint) once the loop has run this long.
+      distilled: ``[M, S]`` sequences the target generated itself (see
+        :func:`distillation_data`); when given, half of every batch is drawn from them
+        and half from ``tokens``.
 
     Returns:
       A :class:`TrainResult` with the draft and the metric history of the steps run.
@@ -434,6 +480,13 @@ def train_draft(
     tokens = check_token_stream(tokens, tcfg.seq_len, draft_cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
+    if distilled is not None:
+        distilled = np.asarray(distilled)
+        if distilled.ndim != 2 or distilled.shape[1] != tcfg.seq_len or distilled.shape[0] < 1:
+            raise ValueError(f"distilled has shape {distilled.shape}: expected [M >= 1, seq_len={tcfg.seq_len}]")
+        distilled = check_token_stream(distilled.reshape(-1), tcfg.seq_len, draft_cfg.vocab_size).reshape(
+            distilled.shape
+        )
     end = tcfg.steps if stop_at is None else stop_at
     if not 0 < end <= tcfg.steps:
         raise ValueError(f"stop_at={stop_at!r} is invalid: must lie in 1..steps={tcfg.steps}")
@@ -456,9 +509,14 @@ def train_draft(
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
     rows = draft_cfg.num_query_rows
+    started = time.perf_counter()
+    done = start
     for step in range(start, end):
         rng = np.random.default_rng([tcfg.seed, step])
         batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, rng)
+        if distilled is not None:
+            rows_d = rng.integers(0, distilled.shape[0], size=tcfg.batch_size // 2)
+            batch[: rows_d.size] = distilled[rows_d]
         anchors = sample_anchors(rng, tcfg.batch_size, tcfg.anchors_per_seq, tcfg.seq_len, rows)
         params, opt_state, metrics = step_fn(params, rest, opt_state, tstate, batch, anchors)
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -467,21 +525,24 @@ def train_draft(
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"draft loss became {metrics['loss']} at step {step + 1}")
         done = step + 1
-        if done % tcfg.log_every == 0 or done == end:
+        out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
+        if done % tcfg.log_every == 0 or done == end or out_of_time:
             bar.update(done, metrics)
-        if checkpoint_dir and (done == end or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)):
+        if checkpoint_dir and (
+            done == end or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
+        ):
             save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+        if out_of_time:
+            break
     bar.close()
     nnx.update(draft, params)
-    return TrainResult(model=draft, history=history, step=max(end, start))
+    return TrainResult(model=draft, history=history, step=done)
 
 
 def _new_draft(draft_cfg: DraftConfig, target, seed: int):
     from dspark_jax.draft import DSparkDraft
 
-    return DSparkDraft(
-        draft_cfg, rngs=nnx.Rngs(seed), embed_tokens=target.embed_tokens, lm_head=target.lm_head
-    )
+    return DSparkDraft(draft_cfg, rngs=nnx.Rngs(seed), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
 
 
 # --------------------------------------------------------------------------- command line
@@ -538,6 +599,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument(
+        "--distill",
+        type=int,
+        default=0,
+        help="also train on this many sequences the target generates (half of each batch); 0 = text only",
+    )
+    parser.add_argument("--max-seconds", type=float, help="stop early after this much training time")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -574,10 +642,22 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_corpus()
     print(f"encoding {len(corpus.train_files)} training files …", file=sys.stderr)
     tokens = encode_documents(tokenizer, corpus.texts("train"))
+    distilled = None
+    if args.distill:
+        t0 = time.perf_counter()
+        distilled = distillation_data(target, tokens, count=args.distill, seq_len=tcfg.seq_len, seed=args.seed)
+        print(f"generated {args.distill} target sequences in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     t0 = time.perf_counter()
     result = train_draft(
-        target, draft_cfg, tokens, tcfg, checkpoint_dir=os.path.join(args.out, "checkpoint"), resume=args.resume,
+        target,
+        draft_cfg,
+        tokens,
+        tcfg,
+        checkpoint_dir=os.path.join(args.out, "checkpoint"),
+        resume=args.resume,
         progress=not args.quiet,
+        max_seconds=args.max_seconds,
+        distilled=distilled,
     )
     seconds = time.perf_counter() - t0
     heldout = encode_documents(tokenizer, corpus.texts("heldout"))
@@ -588,6 +668,9 @@ def run(args: argparse.Namespace) -> int:
     save_draft(draft, args.out)
     info = {
         "train_config": dataclasses.asdict(tcfg),
+        "steps_done": result.step,
+        "distilled_sequences": args.distill,
+        "distilled_sha256": hashlib.sha256(distilled.tobytes()).hexdigest() if distilled is not None else None,
         "train_seconds": seconds,
         "final_metrics": {k: v[-1] for k, v in result.history.items()} if result.history else {},
         "heldout_teacher_forced": stats,

@@ -94,6 +94,7 @@ def train_target(
     checkpoint_dir: str | None = None,
     resume: bool = False,
     progress: bool = True,
+    max_seconds: float | None = None,
 ) -> TrainResult:
     """Trains a :class:`~dspark_jax.target.Qwen3Target` as a language model.
 
@@ -105,6 +106,7 @@ def train_target(
         ``tcfg.checkpoint_every`` steps); ``None``: nowhere.
       resume: continue from ``checkpoint_dir``.
       progress: draw the progress bar.
+      max_seconds: stop (and checkpoint) once the loop has run this long.
 
     Returns:
       A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
@@ -132,21 +134,28 @@ def train_target(
     step_fn = make_target_train_step(graphdef, optimizer)
     history: dict[str, list[float]] = {"loss": []}
     bar = Progress(tcfg.steps, enabled=progress)
+    started = time.perf_counter()
+    done = start
     for step in range(start, tcfg.steps):
         batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, np.random.default_rng([tcfg.seed, step]))
         params, opt_state, loss = step_fn(params, rest, opt_state, batch)
         done = step + 1
-        if done % tcfg.log_every == 0 or done == tcfg.steps:
+        out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
+        if done % tcfg.log_every == 0 or done == tcfg.steps or out_of_time:
             loss = float(loss)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"target loss became {loss} at step {done}")
             history["loss"].append(loss)
             bar.update(done, {"loss": loss})
-        if checkpoint_dir and (done == tcfg.steps or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)):
+        if checkpoint_dir and (
+            done == tcfg.steps or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
+        ):
             save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+        if out_of_time:
+            break
     bar.close()
     nnx.update(model, params)
-    return TrainResult(model=model, history=history, step=tcfg.steps)
+    return TrainResult(model=model, history=history, step=done)
 
 
 def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256) -> float:
@@ -155,7 +164,9 @@ def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: in
     graphdef, state = nnx.split(target)
     score = jax.jit(lambda state, batch: lm_loss(nnx.merge(graphdef, state), batch))
     rng = np.random.default_rng(1)
-    return float(np.mean([float(score(state, sample_windows(tokens, batch_size, seq_len, rng))) for _ in range(batches)]))
+    return float(
+        np.mean([float(score(state, sample_windows(tokens, batch_size, seq_len, rng))) for _ in range(batches)])
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoint-every", type=int, default=1000)
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint (reuses OUT/tokenizer.json)")
+    parser.add_argument("--max-seconds", type=float, help="stop early after this much training time")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from OUT/checkpoint (reuses OUT/tokenizer.json)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -219,8 +233,13 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     result = train_target(
-        cfg, tokens, tcfg, checkpoint_dir=os.path.join(args.out, "checkpoint"), resume=args.resume,
+        cfg,
+        tokens,
+        tcfg,
+        checkpoint_dir=os.path.join(args.out, "checkpoint"),
+        resume=args.resume,
         progress=not args.quiet,
+        max_seconds=args.max_seconds,
     )
     seconds = time.perf_counter() - t0
     heldout = encode_documents(tokenizer, corpus.texts("heldout"))
@@ -231,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     save_target(target, args.out)
     info = {
         "train_config": dataclasses.asdict(tcfg),
+        "steps_done": result.step,
         "train_seconds": seconds,
         "train_tokens": int(tokens.size),
         "final_train_loss": result.history["loss"][-1] if result.history["loss"] else None,

@@ -87,6 +87,11 @@ def random_draft(cfg: DraftConfig, seed: int = 0) -> DSparkDraft:
     return nnx.merge(graphdef, state)
 
 
+def jit_apply(fn, module: nnx.Module, *args):
+    """``fn(module, *args)`` compiled as one program: far faster on CPU than op-by-op eager dispatch."""
+    return nnx.jit(fn)(module, *args)
+
+
 def _np(x) -> np.ndarray:
     return np.asarray(jax.device_get(x[...]), np.float64)
 

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import np_reference as ref
 import numpy as np
 import pytest
-from draft_testing import hf_params, random_draft, randomize, rel_err, tiny_config
+from draft_testing import hf_params, jit_apply, random_draft, randomize, rel_err, tiny_config
 from flax import nnx
 
 from dspark_jax.cache import context_mask
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.layers import MLP, Attention, RMSNorm, attend, rope
+from dspark_jax.layers import RMSNorm, attend, rope
 from dspark_jax.markov import markov_walk
 
 TOL = 1e-5
@@ -88,11 +88,11 @@ def test_attend_gives_zeros_to_a_query_that_sees_no_key():
 
 def test_mlp_matches_reference():
     cfg = tiny_config()
-    mlp = MLP(cfg, rngs=nnx.Rngs(0))
-    randomize(mlp, 4)
+    mlp = random_draft(cfg, seed=4).layers[1].mlp
     p = {f"mlp.{n}.weight": np.asarray(getattr(mlp, n).kernel[...]).T for n in ("gate_proj", "up_proj", "down_proj")}
     x = _rng(5).standard_normal((2, 3, cfg.hidden_size))
-    assert rel_err(mlp(_f32(x)), ref.mlp(x, p, "mlp.")) <= TOL
+    got = jit_apply(lambda m, x: m(x), mlp, _f32(x))
+    assert rel_err(got, ref.mlp(x, p, "mlp.")) <= TOL
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])
@@ -117,26 +117,23 @@ def test_decoder_layer_over_context_and_block_matches_reference(attention_bias):
         mask = jnp.concatenate([jnp.asarray(ctx_mask), jnp.ones((b, r), bool)], axis=1)
         return keys, values, jnp.broadcast_to(mask[:, None], (b, r, n + r))
 
-    got = layer(_f32(x), jnp.asarray(positions), kv_fn)
+    got = jit_apply(lambda m, x, pos: m(x, pos, kv_fn), layer, _f32(x), jnp.asarray(positions))
     want = ref.decoder_layer(x, positions, ctx_k, ctx_v, ctx_mask, p, 0, cfg)
     assert rel_err(got, want) <= TOL
 
 
-def test_attention_module_projections_match_reference():
+def test_attention_projections_with_bias_match_reference():
     cfg = tiny_config(attention_bias=True)
-    attn = Attention(cfg, rngs=nnx.Rngs(0))
-    randomize(attn, 8)
-    p = {}
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        p[f"layers.0.self_attn.{proj}.weight"] = np.asarray(getattr(attn, proj).kernel[...]).T
-        p[f"layers.0.self_attn.{proj}.bias"] = np.asarray(getattr(attn, proj).bias[...])
-    p["layers.0.self_attn.q_norm.weight"] = np.asarray(attn.q_norm.weight[...])
-    p["layers.0.self_attn.k_norm.weight"] = np.asarray(attn.k_norm.weight[...])
+    draft = random_draft(cfg, seed=8)
+    attn = draft.layers[1].self_attn
+    p = hf_params(draft)
     x = _rng(9).standard_normal((2, 3, cfg.hidden_size))
     positions = np.array([[0, 1, 2], [10, 11, 12]])
-    q_ref, k_ref, v_ref = ref.project_qkv(x, positions, p, 0, cfg)
-    k, v = attn.key_value(_f32(x), jnp.asarray(positions))
-    assert rel_err(attn.query(_f32(x), jnp.asarray(positions)), q_ref) <= TOL
+    q_ref, k_ref, v_ref = ref.project_qkv(x, positions, p, 1, cfg)
+    q, k, v = jit_apply(
+        lambda m, x, pos: (m.query(x, pos), *m.key_value(x, pos)), attn, _f32(x), jnp.asarray(positions)
+    )
+    assert rel_err(q, q_ref) <= TOL
     assert rel_err(k, k_ref) <= TOL and rel_err(v, v_ref) <= TOL
 
 
@@ -146,23 +143,26 @@ def test_context_kv_fuses_then_projects_every_layer():
     p = hf_params(draft)
     feats = _rng(11).standard_normal((2, 5, cfg.num_fused_layers * cfg.hidden_size))
     positions = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
-    k, v = draft.context_kv(_f32(feats), jnp.asarray(positions))
+    fused, (k, v) = jit_apply(
+        lambda d, f, pos: (d.fuse_context(f), d.context_kv(f, pos)), draft, _f32(feats), jnp.asarray(positions)
+    )
     assert k.shape == (cfg.num_hidden_layers, 2, 5, cfg.num_key_value_heads, cfg.head_dim)
     k_ref, v_ref = ref.context_kv(feats, positions, p, cfg)
-    assert rel_err(draft.fuse_context(_f32(feats)), ref.fuse_context(feats, p, cfg)) <= TOL
+    assert rel_err(fused, ref.fuse_context(feats, p, cfg)) <= TOL
     assert rel_err(k, np.stack(k_ref)) <= TOL and rel_err(v, np.stack(v_ref)) <= TOL
 
 
 def _draft_forward(draft, bonus, prefix_lens, feats):
     n = feats.shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(n), (feats.shape[0], n))
-    ctx_k, ctx_v = draft.context_kv(_f32(feats), ctx_pos)
-    ids = draft.block_ids(jnp.asarray(bonus))
-    positions = draft.block_positions(jnp.asarray(prefix_lens))
-    mask = context_mask(jnp.asarray(prefix_lens), n)
+    ctx_k, ctx_v = draft.context_kv(feats, ctx_pos)
+    ids = draft.block_ids(bonus)
+    positions = draft.block_positions(prefix_lens)
+    mask = context_mask(prefix_lens, n)
     hidden = draft(ids, positions=positions, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask)
     via_embeds = draft(input_embeds=draft.embed(ids), positions=positions, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask)
-    return ids, hidden, via_embeds
+    slots = draft.slots(hidden)
+    return ids, hidden, via_embeds, slots, draft.base_logits(slots)
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["anchor", "dflash"])
@@ -173,12 +173,12 @@ def test_full_draft_forward_matches_reference_in_both_slot_layouts(sample_from_a
     bonus = np.array([3, 17])
     prefix_lens = np.array([6, 2])  # row 1 sees only the first two context tokens
     feats = _rng(13).standard_normal((2, 6, cfg.num_fused_layers * cfg.hidden_size))
-    ids, hidden, via_embeds = _draft_forward(draft, bonus, prefix_lens, feats)
+    ids, hidden, via_embeds, slots, base = jit_apply(
+        _draft_forward, draft, jnp.asarray(bonus), jnp.asarray(prefix_lens), _f32(feats)
+    )
     assert ids.shape == (2, cfg.num_query_rows)
     np.testing.assert_array_equal(np.asarray(ids), ref.block_ids(bonus, cfg))
-    slots = draft.slots(hidden)
     assert slots.shape == (2, cfg.gamma, cfg.hidden_size)
-    base = draft.base_logits(slots)
     assert base.shape == (2, cfg.gamma, cfg.vocab_size)  # cropped from EMBED_ROWS
     slots_ref, base_ref = ref.draft_forward(bonus, prefix_lens, feats, p, cfg)
     assert rel_err(slots, slots_ref) <= TOL

@@ -65,7 +65,7 @@ def test_first_merge_is_the_most_frequent_adjacent_byte_pair():
     for text in TEXTS:
         for word in re.findall(WORD_PATTERN, text):
             symbols = [byte_char[b] for b in word.encode()]
-            counts.update(zip(symbols, symbols[1:]))
+            counts.update(zip(symbols[:-1], symbols[1:], strict=True))
     best = max(counts.values())
     tok = train_bpe(TEXTS, 260)
     assert counts[tok.merges[0]] == best

@@ -1,0 +1,201 @@
+"""Accepted length τ on held-out text, and the DSpark vs DFlash-style ablation (``dspark-jax eval``).
+
+Prompts are windows of the held-out split of the standard-library corpus (files never
+used in training, :mod:`dspark_jax.corpus`), tokenized with the target's
+``tokenizer.json``. Each draft generates continuations with speculative decoding
+(:func:`~dspark_jax.generate.speculative_generate`) greedily and at temperature 1 (no
+top-k / top-p), and τ is the mean number of tokens committed per round (accepted drafts
+plus the target's bonus token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+DEFAULT_TARGET = os.path.join(ASSETS, "target")
+DEFAULT_DRAFT = os.path.join(ASSETS, "dspark_draft")
+DEFAULT_BASELINE = os.path.join(ASSETS, "dflash_draft")
+
+
+def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens from the held-out corpus, each starting at a line start.
+
+    Args:
+      tokenizer: the target's tokenizer.
+      count: number of prompts.
+      length: tokens per prompt.
+      seed: which windows.
+
+    Returns:
+      Token id lists.
+    """
+    from dspark_jax.corpus import encode_documents, load_corpus
+
+    for name, value in (("count", count), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    stream = encode_documents(tokenizer, load_corpus().texts("heldout"))
+    if stream.size < length + 1:
+        raise ValueError(f"the held-out corpus has {stream.size} tokens, fewer than length={length}")
+    # Start right after a token that ends with a newline, so prompts open on a fresh line.
+    newline = np.array(["\n" in tokenizer.decode([i]) for i in range(tokenizer.vocab_size)])
+    starts = np.flatnonzero(newline[stream[:-length]]) + 1
+    if starts.size == 0:
+        starts = np.arange(stream.size - length)
+    rng = np.random.default_rng(seed)
+    chosen = np.sort(rng.choice(starts, size=count, replace=starts.size < count))
+    return [stream[s : s + length].tolist() for s in chosen]
+
+
+def measure_tau(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """τ and acceptance by position of one draft at one temperature.
+
+    Returns:
+      ``tau`` (overall), ``acceptance_by_position [γ]``, ``rounds``, ``tokens`` (generated
+      count) and ``seconds`` (compilation included).
+    """
+    from dspark_jax.generate import speculative_generate
+
+    result = speculative_generate(
+        target,
+        draft,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_tokens=stop_tokens,
+        key=jax.random.key(seed),
+    )
+    return {
+        "tau": result.tau_overall,
+        "acceptance_by_position": result.acceptance_by_position,
+        "rounds": result.rounds,
+        "tokens": sum(len(t) for t in result.tokens),
+        "seconds": result.seconds,
+    }
+
+
+def compare_drafts(
+    target,
+    drafts: dict[str, Any],
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+) -> dict[str, dict[float, dict[str, Any]]]:
+    """:func:`measure_tau` for every draft and temperature: ``results[name][temperature]``."""
+    return {
+        name: {
+            t: measure_tau(
+                target,
+                draft,
+                prompts,
+                temperature=t,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                stop_tokens=stop_tokens,
+            )
+            for t in temperatures
+        }
+        for name, draft in drafts.items()
+    }
+
+
+def format_tables(results: dict[str, dict[float, dict[str, Any]]]) -> str:
+    """Markdown tables: τ per draft and temperature (with the ratio to the last draft), then acceptance by position."""
+    names = list(results)
+    temps = list(next(iter(results.values())))
+    label = {t: "greedy" if t == 0 else f"T = {t:g}" for t in temps}
+    lines = ["| draft | " + " | ".join(f"τ {label[t]}" for t in temps) + " |", "|---" * (len(temps) + 1) + "|"]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{results[name][t]['tau']:.3f}" for t in temps) + " |")
+    if len(names) > 1:
+        base = names[-1]
+        for name in names[:-1]:
+            ratios = " | ".join(f"{results[name][t]['tau'] / results[base][t]['tau']:.3f}×" for t in temps)
+            lines.append(f"| {name} / {base} | {ratios} |")
+    for t in temps:
+        gamma = len(results[names[0]][t]["acceptance_by_position"])
+        lines += ["", f"Acceptance by draft position, {label[t]}:", ""]
+        lines.append("| draft | " + " | ".join(str(k) for k in range(1, gamma + 1)) + " |")
+        lines.append("|---" * (gamma + 1) + "|")
+        for name in names:
+            acc = results[name][t]["acceptance_by_position"]
+            lines.append(f"| {name} | " + " | ".join(f"{a:.2f}" for a in acc) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target folder with tokenizer.json (default: bundled)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft checkpoint (default: bundled DSpark draft)")
+    parser.add_argument(
+        "--baseline-draft",
+        default=DEFAULT_BASELINE,
+        help="second draft for the ablation (default: bundled DFlash-style draft); 'none' to skip",
+    )
+    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--max-new", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.checkpoint import load_draft
+    from dspark_jax.target import load_target
+    from dspark_jax.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    target = load_target(args.target, dtype="float32")
+    tokenizer = load_tokenizer(args.target)
+    drafts = {"DSpark": load_draft(args.draft, target=target)}
+    if args.baseline_draft and args.baseline_draft.lower() != "none":
+        drafts["DFlash-style"] = load_draft(args.baseline_draft, target=target)
+    prompts = heldout_prompts(tokenizer, count=args.prompts, length=args.prompt_len, seed=args.seed)
+    results = compare_drafts(
+        target,
+        drafts,
+        prompts,
+        temperatures=tuple(args.temperatures),
+        max_new_tokens=args.max_new,
+        seed=args.seed,
+        stop_tokens=[tokenizer.eos_id],
+    )
+    gammas = {name: d.cfg.gamma for name, d in drafts.items()}
+    print(
+        f"held-out prompts: {args.prompts} × {args.prompt_len} tokens, {args.max_new} new tokens each; "
+        f"γ = {gammas}; device {jax.devices()[0].platform}"
+    )
+    print(format_tables(results))
+    print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if args.json:
+        payload = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "gamma": gammas,
+            "device": str(jax.devices()[0]),
+            "results": {n: {str(t): r for t, r in per.items()} for n, per in results.items()},
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0

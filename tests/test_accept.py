@@ -1,0 +1,223 @@
+"""Accepting drafts: greedy prefix match, chain rejection sampling, top-k/top-p, verify caps."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.accept import accept, accept_with_noise, apply_top_k_top_p, schedule_verify_lengths
+from dspark_jax.proposal import DraftBlock
+from dspark_jax.sampling import TOP_K_ALL
+
+
+# ---------------------------------------------------------------- NumPy references
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _ref_top_k_top_p(probs: np.ndarray, k: int, p: float) -> np.ndarray:
+    """One row: rank by (−prob, id), keep the top k, then the shortest prefix with mass >= p."""
+    ranked = sorted(range(len(probs)), key=lambda v: (-probs[v], v))[:k]
+    mass = sum(probs[v] for v in ranked)
+    kept, acc = [], 0.0
+    for v in ranked:
+        kept.append(v)
+        acc += probs[v]
+        if p < 1 and acc >= p * mass:
+            break
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def _ref_accept(logits, drafts, corrected, greedy, temp, k, p, cap, u, e):
+    """One row, straight from DSPARK_SPEC §4."""
+    gamma = len(drafts)
+    if greedy:
+        pred = np.argmax(logits, -1)
+        n = 0
+        while n < cap and drafts[n] == pred[n]:
+            n += 1
+        return n, int(pred[n])
+    t = max(temp, 1e-5)
+    pt = [_ref_top_k_top_p(_softmax(logits[i] / t), k, p) for i in range(gamma + 1)]
+    q = [_softmax(corrected[i] / t) for i in range(gamma)]
+    n = 0
+    while n < cap and u[n] * q[n][drafts[n]] < pt[n][drafts[n]]:
+        n += 1
+    dist = pt[n]
+    if n < cap:
+        residual = np.maximum(pt[n] - q[n], 0)
+        if residual.sum() > 0:
+            dist = residual / residual.sum()
+    with np.errstate(divide="ignore"):
+        return n, int(np.argmax(np.where(dist > 0, np.log(dist) - np.log(e), -np.inf)))
+
+
+def _block(drafts, corrected, greedy, temps):
+    b, gamma = drafts.shape
+    return DraftBlock(
+        draft_tokens=jnp.asarray(drafts, jnp.int32),
+        corrected_logits=jnp.asarray(corrected, jnp.float32),
+        greedy_mask=jnp.asarray(greedy),
+        temperatures=jnp.maximum(jnp.asarray(temps, jnp.float32), 1e-5),
+        confidence=jnp.zeros((b, 0), jnp.float32),
+    )
+
+
+# ---------------------------------------------------------------------- tests
+def test_top_k_top_p_matches_reference_with_ties():
+    rng = np.random.default_rng(0)
+    # Quantised probabilities make many exact ties.
+    raw = rng.integers(1, 6, size=(200, 9)).astype(np.float32)
+    raw[:20, :3] = 0.0  # zero-probability tokens too
+    probs = raw / raw.sum(-1, keepdims=True)
+    ks = rng.choice([1, 2, 3, 5, 9, TOP_K_ALL], size=200)
+    ps = rng.choice([0.05, 0.3, 0.5, 0.77, 0.9, 1.0], size=200)
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32)))
+    want = np.stack([_ref_top_k_top_p(probs[i], int(ks[i]), float(ps[i])) for i in range(200)])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert ((got > 0).sum(-1) >= 1).all()
+
+
+def test_accept_matches_per_row_reference_with_fixed_noise():
+    rng = np.random.default_rng(1)
+    b, gamma, v = 96, 4, 7
+    greedy = rng.random(b) < 0.3
+    temps = np.where(greedy, 0.0, rng.choice([0.5, 1.0, 1.7], size=b))
+    ks = rng.choice([2, 3, TOP_K_ALL], size=b)
+    ps = rng.choice([0.6, 0.9, 1.0], size=b).astype(np.float32)
+    caps = rng.integers(1, gamma + 2, size=b)
+    # Integer logits give argmax ties on greedy rows.
+    logits = np.where(
+        greedy[:, None, None], rng.integers(-2, 3, (b, gamma + 1, v)), 2 * rng.standard_normal((b, gamma + 1, v))
+    )
+    corrected = 2 * rng.standard_normal((b, gamma, v))
+    drafts = np.stack(
+        [[rng.choice(v, p=_softmax(corrected[i, j] / max(temps[i], 1e-5))) for j in range(gamma)] for i in range(b)]
+    )
+    greedy_pred = logits.argmax(-1)
+    copy = greedy & (rng.random(b) < 0.6)  # greedy rows whose drafts match for a while
+    drafts[copy] = greedy_pred[copy, :gamma]
+    same = ~greedy & (rng.random(b) < 0.25)  # q == p: every draft accepted
+    corrected[same] = logits[same, :gamma]
+    ks[same], ps[same] = TOP_K_ALL, 1.0
+    zero = ~greedy & ~same & (rng.random(b) < 0.2)  # drafts outside the target's top-k
+    ks[zero] = 2
+    for i in np.flatnonzero(zero):
+        drafts[i, 0] = np.argsort(-logits[i, 0], kind="stable")[-1]
+    u = rng.random((b, gamma)).astype(np.float32)
+    e = rng.exponential(size=(b, v)).astype(np.float32)
+
+    n, bonus = accept_with_noise(
+        jnp.asarray(logits, jnp.float32),
+        _block(drafts, corrected, greedy, temps),
+        top_k=jnp.asarray(ks, jnp.int32),
+        top_p=jnp.asarray(ps),
+        verify_len=jnp.asarray(caps, jnp.int32),
+        uniforms=jnp.asarray(u),
+        exponentials=jnp.asarray(e),
+    )
+    want = [
+        _ref_accept(logits[i], drafts[i], corrected[i], greedy[i], temps[i], ks[i], ps[i], caps[i] - 1, u[i], e[i])
+        for i in range(b)
+    ]
+    np.testing.assert_array_equal(np.asarray(n), [w[0] for w in want])
+    np.testing.assert_array_equal(np.asarray(bonus), [w[1] for w in want])
+    n = np.asarray(n)
+    assert (n <= caps - 1).all()
+    np.testing.assert_array_equal(n[same], caps[same] - 1)  # all accepted up to the cap
+    assert (n[zero] == 0).all()  # a zero-probability draft is always rejected
+    assert (n[greedy] >= 2).any() and (n[~greedy] >= 2).any()
+
+
+def test_greedy_only_block_without_corrected_logits():
+    logits = jnp.asarray([[[0.0, 3.0, 3.0], [5.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])  # ties go to id 1
+    block = _block(np.array([[1, 0]]), np.zeros((1, 2, 0)), np.array([True]), np.array([0.0]))
+    n, bonus = accept(logits, block, top_k=jnp.asarray([1]), top_p=jnp.asarray([1.0]), key=jax.random.key(0))
+    assert (int(n[0]), int(bonus[0])) == (2, 2)
+    capped = accept(
+        logits,
+        block,
+        top_k=jnp.asarray([1]),
+        top_p=jnp.asarray([1.0]),
+        verify_len=jnp.asarray([2]),
+        key=jax.random.key(0),
+    )
+    assert (int(capped[0][0]), int(capped[1][0])) == (1, 0)
+
+
+def _exact_outcomes(logits, drafts, corrected, temp, k, p, cap):
+    """P(correct_len = n, bonus = x) for one sampling row, by enumeration."""
+    gamma, v = corrected.shape
+    pt = [_ref_top_k_top_p(_softmax(logits[i] / temp), k, p) for i in range(gamma + 1)]
+    q = [_softmax(corrected[i] / temp) for i in range(gamma)]
+    out = np.zeros((cap + 1, v))
+    reach = 1.0
+    for n in range(cap + 1):
+        if n == cap:
+            out[n] = reach * pt[n]
+            break
+        a = min(1.0, pt[n][drafts[n]] / q[n][drafts[n]])
+        residual = np.maximum(pt[n] - q[n], 0)
+        out[n] = reach * (1 - a) * (residual / residual.sum() if residual.sum() > 0 else pt[n])
+        reach *= a
+    return out
+
+
+def test_accept_outcome_distribution_matches_enumeration():
+    rng = np.random.default_rng(2)
+    n_rows, gamma, v = 40_000, 3, 5
+    logits = 0.7 * rng.standard_normal((gamma + 1, v))
+    corrected = logits[:gamma] + rng.standard_normal((gamma, v))
+    temp, k, p, cap = 1.0, 4, 0.85, gamma
+    # Slot 0 drafts the target's second choice, which the draft over-rates: rejection possible, not certain.
+    second = int(np.argsort(-logits[0], kind="stable")[1])
+    corrected[0, second] += 2.0
+    drafts = np.array([second, np.argmax(logits[1]), np.argmax(logits[2])])
+    block = _block(
+        np.tile(drafts, (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.full(n_rows, temp)
+    )
+    n, bonus = jax.jit(accept)(
+        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
+        block,
+        top_k=jnp.full((n_rows,), k),
+        top_p=jnp.full((n_rows,), p, jnp.float32),
+        key=jax.random.key(7),
+    )
+    counts = np.zeros((cap + 1, v))
+    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
+    want = _exact_outcomes(logits, drafts, corrected, temp, k, p, cap)
+    # E[TV] = ½ Σ E|p̂ − p| <= ½ Σ sqrt(p(1 − p) / N); McDiarmid adds 0.01 at probability e^-8.
+    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.01
+    tv = 0.5 * np.abs(counts / n_rows - want).sum()
+    assert tv < tol, (tv, tol)
+    assert want[0].sum() > 0.05 and want[cap].sum() > 0.05  # both rejection and full acceptance occur
+
+
+def test_schedule_verify_lengths_maximises_throughput_over_all_prefix_choices():
+    rng = np.random.default_rng(3)
+    b, gamma = 3, 3
+    for trial in range(6):
+        conf = rng.random((b, gamma)).astype(np.float32)
+        sps = (100.0 / (1 + 0.2 * np.arange(b * (gamma + 1) + 1) ** (1 + trial % 3 * 0.3))).astype(np.float32)
+        got = np.asarray(schedule_verify_lengths(jnp.asarray(conf), jnp.asarray(sps)))
+        surv = np.cumprod(conf.astype(np.float64), -1)
+
+        def value(lens, surv=surv, sps=sps):
+            gain = sum(surv[i, : lens[i] - 1].sum() for i in range(b))
+            return (b + gain) * sps[sum(lens)]
+
+        best = max(value(lens) for lens in itertools.product(range(1, gamma + 2), repeat=b))
+        assert ((got >= 1) & (got <= gamma + 1)).all()
+        np.testing.assert_allclose(value(got), best, rtol=1e-5)
+
+
+def test_schedule_verify_lengths_rejects_short_table():
+    with pytest.raises(ValueError, match="steps_per_second"):
+        schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((5,)))

@@ -1,0 +1,84 @@
+"""The benchmark runs at tiny shapes on a CPU and reports what it promises (no timing assertions)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax import bench
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "result.json"
+    argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
+    argv += ["--no-torch", "--no-compile", "--e2e", "--out", str(out)]
+    assert bench.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
+    rows = tiny_result["propose"]
+    seen = {(r["batch"], r["mode"], r["path"]) for r in rows}
+    assert (1, "greedy", "folded_greedy") in seen
+    for mode in bench.MODES:
+        for path in ("folded", "proposer", "eager"):
+            assert (1, mode, path) in seen
+    for r in rows:
+        assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        if r["path"].startswith("folded"):
+            assert r["floor_ms"] > 0 and r["floor_bound"] in ("bytes", "flops")
+
+
+def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
+    ceil = tiny_result["ceilings"]
+    for name in ("elementwise_bytes_per_s", "copy_bytes_per_s", "matmul_flops_per_s"):
+        assert ceil[name] > 0
+    e2e = tiny_result["e2e"]
+    assert 1.0 <= e2e["tau_measured"] <= 8.0
+    for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
+        assert e2e[name] > 0
+    assert tiny_result["meta"]["shapes"] == "tiny"
+
+
+def test_table_has_a_line_per_timed_row(tiny_result):
+    table = bench.format_table(tiny_result)
+    assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
+    timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
+    assert len(timed) == len(tiny_result["propose"])
+
+
+def test_forced_accept_distribution_has_the_requested_mean():
+    for tau in (1.5, 4.0, 6.17, 7.9):
+        probs = bench.forced_accept_probs(tau, 7)
+        assert probs.shape == (8,) and np.all(probs > 0)
+        np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-12)
+        np.testing.assert_allclose(probs @ np.arange(8) + 1, tau, rtol=1e-9)
+    with pytest.raises(ValueError, match="tau"):
+        bench.forced_accept_probs(9.0, 7)
+
+
+def test_round_cost_counts_weights_markov_context_and_logits():
+    cfg = bench.draft_config(bench.SHAPES["8b"])
+    greedy = bench.round_cost(cfg, 1, 1024, folded_sampling=False)
+    folded = bench.round_cost(cfg, 1, 1024, folded_sampling=True)
+    h, i, v = 4096, 12288, 151936
+    layer = 2 * (h * 32 * 128 * 2 + h * 8 * 128 * 2 + 3 * h * i)  # bf16 bytes of one layer
+    expected = 5 * layer + v * h * 2 + 7 * v * 256 * 2 + 2 * 5 * 1024 * 8 * 128 * 2 + 7 * h * 2
+    assert greedy["bytes"] == expected
+    assert folded["bytes"] - greedy["bytes"] == 7 * v * 4
+    # The paper-scale round reads about 3.74 GB at batch 1 (the issue's roofline).
+    assert 3.7e9 < greedy["bytes"] < 3.8e9
+
+
+def test_floor_is_the_larger_of_the_two_bounds():
+    cost = {"bytes": 2e9, "flops": 1e12}
+    assert bench.floor_ms(cost, 1e12, 1e15) == (2.0, "bytes")
+    assert bench.floor_ms(cost, 1e13, 1e14) == (10.0, "flops")
+
+
+def test_bad_batches_are_refused_before_anything_runs():
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tiny", "--batches", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tiny", "--modes", "greedy,bogus"])

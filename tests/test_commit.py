@@ -1,0 +1,78 @@
+"""Committing target features into the draft's context cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.cache import init_context_cache
+from dspark_jax.commit import commit, prefill
+from dspark_jax.config import DraftConfig
+from dspark_jax.draft import DSparkDraft
+
+CFG = DraftConfig(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    vocab_size=12,
+    block_size=3,
+    mask_token_id=11,
+    target_layer_ids=(0, 1),
+    markov_rank=4,
+)
+B, C, T, F = 4, 16, CFG.gamma + 1, 2 * 16
+
+
+def _random_cache(seed):
+    cache = init_context_cache(CFG, B, C)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return type(cache)(k=jax.random.normal(k1, cache.k.shape), v=jax.random.normal(k2, cache.v.shape))
+
+
+@jax.jit
+def _context_kv(draft, features, positions):
+    return draft.context_kv(features, positions)
+
+
+def test_commit_writes_exactly_the_committed_positions():
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    cache = _random_cache(1)
+    features = jax.random.normal(jax.random.key(2), (B, T, F))
+    prefix = np.array([0, 5, 9, 12])
+    correct = np.array([3, 0, 2, 1])
+    active = np.array([True, True, True, False])
+    new, new_prefix = jax.jit(commit)(
+        draft, cache, features, jnp.asarray(prefix), jnp.asarray(correct), active=jnp.asarray(active)
+    )
+    np.testing.assert_array_equal(new_prefix, np.where(active, prefix + correct + 1, prefix))
+    positions = jnp.asarray(prefix)[:, None] + jnp.arange(T)
+    k_ref, v_ref = map(np.asarray, _context_kv(draft, features, positions))  # [L, B, T, KVH, D]
+    new, cache = jax.tree.map(np.asarray, (new, cache))
+    for b in range(B):
+        n = correct[b] + 1 if active[b] else 0
+        written = slice(prefix[b], prefix[b] + n)
+        np.testing.assert_allclose(new.k[:, b, written], k_ref[:, b, :n], atol=1e-6)
+        np.testing.assert_allclose(new.v[:, b, written], v_ref[:, b, :n], atol=1e-6)
+        untouched = np.ones(C, bool)
+        untouched[written] = False
+        np.testing.assert_array_equal(new.k[:, b, untouched], cache.k[:, b, untouched])
+        np.testing.assert_array_equal(new.v[:, b, untouched], cache.v[:, b, untouched])
+
+
+def test_prefill_writes_only_the_prompt_positions():
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    cache = _random_cache(3)
+    features = jax.random.normal(jax.random.key(4), (B, 8, F))
+    lengths = np.array([1, 8, 3, 5])
+    new = jax.jit(prefill)(draft, cache, features, jnp.asarray(lengths))
+    k_ref = np.asarray(_context_kv(draft, features, jnp.broadcast_to(jnp.arange(8), (B, 8)))[0])
+    new, cache = jax.tree.map(np.asarray, (new, cache))
+    for b in range(B):
+        n = lengths[b]
+        np.testing.assert_allclose(new.k[:, b, :n], k_ref[:, b, :n], atol=1e-6)
+        np.testing.assert_array_equal(new.k[:, b, n:], cache.k[:, b, n:])

@@ -1,0 +1,237 @@
+"""DraftConfig / TargetConfig: the three config.json forms and every validation message."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from draft_testing import TINY, tiny_config
+
+from dspark_jax.config import DraftConfig, TargetConfig
+
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+}
+
+
+def deepspec_dict(**extra) -> dict:
+    return {
+        **QWEN3_8B,
+        "num_hidden_layers": 5,
+        "block_size": 7,
+        "mask_token_id": 151669,
+        "target_layer_ids": [1, 9, 17, 25, 33],
+        "num_target_layers": 36,
+        "markov_rank": 256,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        **extra,
+    }
+
+
+def test_deepspec_form_reads_every_draft_field():
+    cfg = DraftConfig.from_hf_config(deepspec_dict())
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4096, 32, 8, 128)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.num_target_layers == 36
+    assert (cfg.markov_rank, cfg.markov_head_type) == (256, "vanilla")
+    assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
+    # DeepSpec files default to the anchor layout: γ = block_size = rows.
+    assert cfg.sample_from_anchor and cfg.layout == "anchor"
+    assert cfg.gamma == 7 and cfg.num_query_rows == 7 and cfg.num_fused_layers == 5
+
+
+def test_deepspec_form_with_explicit_dflash_layout_counts_the_anchor_row():
+    cfg = DraftConfig.from_hf_config(deepspec_dict(sample_from_anchor=False, block_size=8))
+    assert not cfg.sample_from_anchor and cfg.layout == "dflash"
+    assert cfg.gamma == 7 and cfg.num_query_rows == 8
+
+
+def test_nested_dflash_config_form_is_a_headless_dflash_layout_draft():
+    hf = {
+        **QWEN3_8B,
+        "num_hidden_layers": 5,
+        "block_size": 16,
+        "num_target_layers": 36,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    }
+    cfg = DraftConfig.from_hf_config(hf)
+    assert cfg.mask_token_id == 151669 and cfg.target_layer_ids == (1, 9, 17, 25, 33)
+    assert cfg.markov_rank == 0 and not cfg.has_markov_head
+    # DFlash's block size 16 is the anchor plus 15 drafts.
+    assert not cfg.sample_from_anchor and cfg.gamma == 15 and cfg.num_query_rows == 16
+
+
+def test_nested_block_size_is_read_when_the_top_level_has_none():
+    hf = {
+        **QWEN3_8B,
+        "num_hidden_layers": 1,
+        "dflash_config": {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [0]},
+    }
+    assert DraftConfig.from_hf_config(hf).gamma == 7
+
+
+def speculators_dict(**extra) -> dict:
+    return {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": {**QWEN3_8B, "num_hidden_layers": 5},
+        "draft_vocab_size": 151936,
+        "block_size": 8,
+        "mask_token_id": 151669,
+        "aux_hidden_state_layer_ids": [2, 10, 18, 26, 34],
+        **extra,
+    }
+
+
+def test_speculators_form_shifts_layer_ids_and_uses_the_dflash_layout():
+    cfg = DraftConfig.from_hf_config(speculators_dict())
+    assert cfg.hidden_size == 4096 and cfg.num_hidden_layers == 5
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33)  # hidden_states index i+1 is layer i
+    assert not cfg.sample_from_anchor and cfg.gamma == 7 and cfg.num_query_rows == 8
+    assert cfg.markov_rank == 0
+
+
+def test_speculators_form_honours_sample_from_anchor_and_markov_fields():
+    cfg = DraftConfig.from_hf_config(
+        speculators_dict(sample_from_anchor=True, block_size=7, markov_rank=256, markov_head_type="rnn")
+    )
+    assert cfg.sample_from_anchor and cfg.gamma == 7 and cfg.num_query_rows == 7
+    assert (cfg.markov_rank, cfg.markov_head_type) == (256, "rnn")
+
+
+def test_aux_layer_id_zero_is_the_embedding_output():
+    cfg = DraftConfig.from_hf_config(speculators_dict(aux_hidden_state_layer_ids=[0, 3]))
+    assert cfg.target_layer_ids == (-1, 2)
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_to_hf_config_round_trips_both_layouts(anchor, tmp_path):
+    cfg = tiny_config(sample_from_anchor=anchor, markov_head_type="gated")
+    hf = json.loads(json.dumps(cfg.to_hf_config()))
+    assert hf["block_size"] == cfg.num_query_rows
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    assert DraftConfig.from_pretrained(tmp_path) == cfg
+    assert DraftConfig.from_pretrained(path) == cfg
+
+
+def test_overrides_replace_file_values():
+    cfg = DraftConfig.from_hf_config(deepspec_dict(), dtype="bfloat16", param_dtype="bfloat16", block_size=3)
+    assert cfg.dtype == "bfloat16" and cfg.jnp_dtype.__name__ == "bfloat16" and cfg.gamma == 3
+
+
+def test_list_layer_ids_become_a_hashable_tuple():
+    cfg = tiny_config(target_layer_ids=[0, 2])
+    assert cfg.target_layer_ids == (0, 2) and hash(cfg) == hash(tiny_config(target_layer_ids=(0, 2)))
+
+
+def _message(field, value, allowed) -> str:
+    return re.escape(f"{field}={value!r} is invalid: ") + ".*" + re.escape(allowed)
+
+
+# (overrides, field, value, allowed-text)
+DRAFT_ERRORS = [
+    ({"hidden_size": 0}, "hidden_size", 0, "integer >= 1"),
+    ({"intermediate_size": 2.5}, "intermediate_size", 2.5, "integer >= 1"),
+    ({"num_hidden_layers": True}, "num_hidden_layers", True, "integer >= 1"),
+    ({"num_attention_heads": -4}, "num_attention_heads", -4, "integer >= 1"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads", 3, "must divide num_attention_heads=4"),
+    ({"head_dim": 7}, "head_dim", 7, "must be even"),
+    ({"vocab_size": 0}, "vocab_size", 0, "integer >= 1"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings", 0, "integer >= 1"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps", 0.0, "a number > 0"),
+    ({"rope_theta": -1.0}, "rope_theta", -1.0, "a number > 0"),
+    ({"attention_bias": "no"}, "attention_bias", "no", "True or False"),
+    ({"dtype": "float64"}, "dtype", "float64", "['bfloat16', 'float16', 'float32']"),
+    ({"param_dtype": "int8"}, "param_dtype", "int8", "['bfloat16', 'float16', 'float32']"),
+    ({"block_size": 0}, "block_size", 0, "integer >= 1"),
+    ({"mask_token_id": 40}, "mask_token_id", 40, "0 <= id < vocab_size=40"),
+    ({"mask_token_id": -1}, "mask_token_id", -1, "0 <= id < vocab_size=40"),
+    ({"mask_token_id": None}, "mask_token_id", None, "0 <= id < vocab_size=40"),
+    ({"target_layer_ids": ()}, "target_layer_ids", (), "non-empty sequence of integers"),
+    ({"target_layer_ids": (0, 1.5)}, "target_layer_ids", (0, 1.5), "non-empty sequence of integers"),
+    ({"target_layer_ids": (2, 1)}, "target_layer_ids", (2, 1), "strictly increasing"),
+    ({"target_layer_ids": (1, 1)}, "target_layer_ids", (1, 1), "strictly increasing"),
+    ({"target_layer_ids": (-2, 0)}, "target_layer_ids", (-2, 0), ">= -1 (-1 is the embedding output)"),
+    ({"target_layer_ids": (0, 3)}, "target_layer_ids", (0, 3), "-1 <= id < num_target_layers=3"),
+    ({"num_target_layers": 0}, "num_target_layers", 0, "integer >= 1"),
+    ({"markov_rank": -1}, "markov_rank", -1, "integer >= 0 (0 = DFlash-style, no Markov head)"),
+    ({"markov_head_type": "lstm"}, "markov_head_type", "lstm", "('vanilla', 'gated', 'rnn')"),
+    ({"enable_confidence_head": 1}, "enable_confidence_head", 1, "True or False"),
+    ({"sample_from_anchor": "yes"}, "sample_from_anchor", "yes", "True or False"),
+    (
+        {"enable_confidence_head": False, "confidence_head_with_markov": True},
+        "confidence_head_with_markov",
+        True,
+        "needs enable_confidence_head=True",
+    ),
+    ({"markov_rank": 0}, "confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "field", "value", "allowed"), DRAFT_ERRORS, ids=lambda x: str(x)[:40])
+def test_draft_config_rejects_bad_values_naming_field_value_and_allowed(overrides, field, value, allowed):
+    with pytest.raises(ValueError, match=_message(field, value, allowed)):
+        DraftConfig(**{**TINY, **overrides})
+
+
+def test_target_config_validates_like_the_draft():
+    base = dict(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, vocab_size=10,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=_message("num_key_value_heads", 3, "must divide num_attention_heads=2")):
+        TargetConfig(**{**base, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=_message("tie_word_embeddings", "yes", "True or False")):
+        TargetConfig(**{**base, "tie_word_embeddings": "yes"})
+
+
+HF_ERRORS = [
+    (lambda: deepspec_dict(mask_token_id=151936), "mask_token_id", 151936,
+     "0 <= id < vocab_size=151936"),
+    (lambda: speculators_dict(draft_vocab_size=32000), "draft_vocab_size", 32000,
+     "a reduced draft vocabulary (d2t/t2d mapping) is not supported"),
+    (lambda: speculators_dict(target_hidden_size=2560), "target_hidden_size", 2560,
+     "must equal the draft hidden_size=4096"),
+    (lambda: speculators_dict(aux_hidden_state_layer_ids="2,10"), "aux_hidden_state_layer_ids", "2,10",
+     "must be a list of integers"),
+    (lambda: speculators_dict(block_size=1), "block_size", 1,
+     "counts the anchor row, so it must be >= 2"),
+    (lambda: deepspec_dict(dflash_config=[1]), "dflash_config", [1], "must be a dict"),
+    (lambda: deepspec_dict(target_layer_ids=[1, 9, 17, 25, 36]), "target_layer_ids", (1, 9, 17, 25, 36),
+     "num_target_layers=36"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "field", "value", "allowed"), HF_ERRORS, ids=lambda x: str(x)[:30])
+def test_from_hf_config_rejects_bad_files_naming_field_value_and_allowed(make, field, value, allowed):
+    with pytest.raises(ValueError, match=_message(field, value, allowed)):
+        DraftConfig.from_hf_config(make())
+
+
+def test_from_hf_config_names_missing_fields_and_wrong_types(tmp_path):
+    without_mask = deepspec_dict()
+    del without_mask["mask_token_id"]
+    with pytest.raises(ValueError, match="draft config is missing the required field 'mask_token_id'"):
+        DraftConfig.from_hf_config(without_mask)
+    without_hidden = deepspec_dict()
+    del without_hidden["hidden_size"]
+    with pytest.raises(ValueError, match="draft config is missing the required field 'hidden_size'"):
+        DraftConfig.from_hf_config(without_hidden)
+    with pytest.raises(ValueError, match="speculators config needs a 'transformer_layer_config' dict, got NoneType"):
+        DraftConfig.from_hf_config(speculators_dict(transformer_layer_config=None))
+    with pytest.raises(TypeError, match="hf config must be a dict, got list"):
+        DraftConfig.from_hf_config([])
+    with pytest.raises(ValueError, match="does not exist: expected a config.json or its folder"):
+        DraftConfig.from_pretrained(tmp_path / "nowhere")

@@ -1,0 +1,300 @@
+"""Speculative generation is lossless: greedy token for token, sampling in distribution."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.generate import generate, speculative_generate
+from dspark_jax.target import Qwen3Target
+
+V = 24
+CAPACITY = 64
+
+
+def _target_cfg(vocab: int) -> TargetConfig:
+    return TargetConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=vocab,
+    )
+
+
+def _bigram_target(vocab: int, context_scale: float, seed: int = 0) -> tuple[Qwen3Target, np.ndarray]:
+    """A random target whose next token mostly depends on the current one.
+
+    Unit-scale embedding and lm_head make ``f(t) = argmax(norm(E[t]) · W)`` the usual next
+    token; attention and MLP outputs scaled by ``context_scale`` let the context change
+    it often enough that positions and caches matter. Returns the target and ``f``.
+    """
+    target = Qwen3Target(_target_cfg(vocab), rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    e = rng.standard_normal((vocab, 16)).astype(np.float32)
+    w = rng.standard_normal((vocab, 16)).astype(np.float32)
+    target.embed.set_value(jnp.asarray(e))
+    target.head.set_value(jnp.asarray(w))
+    for layer in target.layers:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            linear.kernel.set_value(linear.kernel.get_value() * context_scale)
+    f = np.argmax((e / np.sqrt(np.mean(e * e, -1, keepdims=True) + 1e-6)) @ w.T, -1)
+    return target, f
+
+
+def _rigged_draft(target, bigram, *, gamma, sample_from_anchor, keep, strength, seed=1) -> DSparkDraft:
+    """A draft whose Markov head predicts ``bigram[prev]`` for the ``keep`` fraction of tokens."""
+    vocab = target.config.vocab_size
+    cfg = DraftConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=vocab,
+        block_size=gamma,
+        mask_token_id=vocab - 1,
+        target_layer_ids=(0, 1),
+        markov_rank=vocab,
+        sample_from_anchor=sample_from_anchor,
+    )
+    draft = DSparkDraft(cfg, rngs=nnx.Rngs(seed), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    rng = np.random.default_rng(seed)
+    w2 = np.zeros((vocab, vocab), np.float32)  # bias[prev, v] = w1[prev] · w2[v] = w2[v, prev]
+    for prev in np.flatnonzero(rng.random(vocab) < keep):
+        w2[bigram[prev], prev] = strength
+    draft.markov_head.markov_w1.set_value(jnp.eye(vocab))
+    draft.markov_head.markov_w2.set_value(jnp.asarray(w2))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    target, bigram = _bigram_target(V, context_scale=60.0)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, V, size=rng.integers(1, 15)).tolist() for _ in range(52)]
+    max_new = rng.integers(4, 25, size=52)
+    max_new[::8] = 24  # every batch of 8 has the same longest request (shared compilations)
+    plain = generate(target, prompts, max_new_tokens=max_new.tolist(), key=jax.random.key(0), capacity=CAPACITY)
+    for b in range(52):
+        assert len(plain.tokens[b]) == max_new[b]
+    return target, bigram, prompts, max_new, plain.tokens
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 7])
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["anchor", "dflash"])
+def test_speculative_greedy_equals_plain_greedy(greedy_setup, gamma, sample_from_anchor):
+    target, bigram, prompts, max_new, plain = greedy_setup
+    draft = _rigged_draft(target, bigram, gamma=gamma, sample_from_anchor=sample_from_anchor, keep=0.7, strength=100.0)
+    start = 8 * ([1, 4, 7].index(gamma) * 2 + int(not sample_from_anchor))
+    rows = slice(start, start + 8)
+    result = speculative_generate(
+        target,
+        draft,
+        prompts[rows],
+        max_new_tokens=max_new[rows].tolist(),
+        key=jax.random.key(1),
+        capacity=CAPACITY,
+    )
+    assert result.tokens == plain[rows]
+    counts = np.asarray(result.accept_length_counts)
+    assert counts[0] > 0  # rejections happen
+    if gamma > 1:
+        assert counts[2:].sum() > 0  # and rounds accepting >= 2 drafts
+    assert result.tau_overall == pytest.approx((counts * np.arange(1, gamma + 2)).sum() / counts.sum())
+
+
+@pytest.mark.parametrize("rows", [slice(48, 49), slice(49, 52)], ids=["B1", "B3"])
+def test_speculative_greedy_equals_plain_greedy_small_batches(greedy_setup, rows):
+    target, bigram, prompts, max_new, plain = greedy_setup
+    draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    result = speculative_generate(
+        target, draft, prompts[rows], max_new_tokens=max_new[rows].tolist(), key=jax.random.key(2), capacity=CAPACITY
+    )
+    assert result.tokens == plain[rows]
+
+
+def test_early_stopping_request_leaves_the_others_unchanged(greedy_setup):
+    target, bigram, prompts, _, _ = greedy_setup
+    draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    batch = prompts[:8]
+    temps = [0.0, 1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 1.3]
+    run = functools.partial(
+        speculative_generate, target, draft, batch, temperature=temps, key=jax.random.key(3), capacity=CAPACITY
+    )
+    free = run(max_new_tokens=24)
+    stop_1 = free.tokens[1][5]
+    stops = [[], [stop_1], [], [], [], [free.tokens[5][0]], [], []]
+    max_new = [24, 24, 3, 24, 24, 24, 24, 24]
+    stopped = run(max_new_tokens=max_new, stop_tokens=stops)
+    for b in (0, 3, 4, 6, 7):
+        assert stopped.tokens[b] == free.tokens[b]
+    assert stopped.tokens[1] == free.tokens[1][: free.tokens[1].index(stop_1) + 1]
+    assert stopped.tokens[2] == free.tokens[2][:3]
+    assert stopped.tokens[5] == free.tokens[5][:1]
+
+
+# ---------------------------------------------------------------- lossless sampling
+SV, PROMPT = 6, [1, 4, 2]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _logits(graphdef, state, tokens):
+    target = nnx.merge(graphdef, state)
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    logits, _, _ = target(tokens, positions, target.init_cache(b, s))
+    return logits
+
+
+def _continuation_logits(target) -> tuple[np.ndarray, np.ndarray]:
+    """Target logits ``[36, P + 2, V]`` of PROMPT followed by every pair of tokens."""
+    pairs = np.array(list(itertools.product(range(SV), repeat=2)))  # [36, 2]
+    seqs = np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1)
+    return pairs, np.asarray(_logits(*nnx.split(target), jnp.asarray(seqs, jnp.int32)), np.float64)
+
+
+def _greedy_tokens(target) -> list[int]:
+    pairs, logits = _continuation_logits(target)
+    p = len(PROMPT)
+    t1 = int(np.argmax(logits[0, p - 1]))
+    t2 = int(np.argmax(logits[t1 * SV, p]))
+    return [t1, t2, int(np.argmax(logits[t1 * SV + t2, p + 1]))]
+
+
+def _exact_joint(target, temp, top_k, top_p) -> np.ndarray:
+    """P(t1, t2, t3) of the target sampling three tokens after PROMPT, by enumeration."""
+    pairs, logits = _continuation_logits(target)
+    p = len(PROMPT)
+
+    def dist(row):  # softmax at the temperature; keep the top k by (−prob, id), then the top-p prefix
+        z = np.exp((row - row.max()) / temp)
+        probs = z / z.sum()
+        ranked = sorted(range(SV), key=lambda v: (-probs[v], v))[:top_k]
+        mass, kept = probs[ranked].sum(), []
+        for v in ranked:
+            kept.append(v)
+            if top_p < 1 and probs[kept].sum() >= top_p * mass:
+                break
+        out = np.zeros(SV)
+        out[kept] = probs[kept]
+        return out / out.sum()
+
+    joint = np.zeros((SV, SV, SV))
+    p1 = dist(logits[0, p - 1])
+    for i, (t1, t2) in enumerate(pairs):
+        joint[t1, t2] = p1[t1] * dist(logits[i, p])[t2] * dist(logits[i, p + 1])
+    return joint
+
+
+def _tv_tolerance(want: np.ndarray, n: int) -> float:
+    # E[TV] = ½ Σ E|p̂ − p| <= ½ Σ sqrt(p(1 − p) / n); TV moves by <= 1/n per sample, so by
+    # McDiarmid it exceeds its mean by t with probability <= exp(−2 t² n): t for e^−8.
+    return 0.5 * np.sqrt(want * (1 - want) / n).sum() + np.sqrt(8 / (2 * n))
+
+
+def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch():
+    target, bigram = _bigram_target(SV, context_scale=20.0, seed=3)
+    draft = _rigged_draft(target, bigram, gamma=2, sample_from_anchor=True, keep=0.5, strength=2.0, seed=4)
+    groups = [  # (rows, temperature, top_k, top_p)
+        (20_000, 1.3, 4, 0.9),
+        (6_000, 0.8, None, 1.0),
+        (16, 0.0, None, 1.0),
+    ]
+    temps, ks, ps = [], [], []
+    for n, t, k, p in groups:
+        temps += [t] * n
+        ks += [k] * n
+        ps += [p] * n
+    order = np.random.default_rng(0).permutation(len(temps))  # interleave the groups
+    result = speculative_generate(
+        target,
+        draft,
+        [PROMPT] * len(temps),
+        max_new_tokens=3,
+        temperature=[temps[i] for i in order],
+        top_k=[ks[i] for i in order],
+        top_p=[ps[i] for i in order],
+        key=jax.random.key(11),
+        capacity=16,
+    )
+    out = np.empty((len(temps), 3), np.int64)
+    out[order] = np.asarray(result.tokens)
+    counts = np.asarray(result.accept_length_counts)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0  # rejections and full acceptances
+    start = 0
+    for n, t, k, p in groups:
+        rows = out[start : start + n]
+        start += n
+        if t == 0.0:
+            assert (rows == _greedy_tokens(target)).all()
+            continue
+        want = _exact_joint(target, t, 1 << 30 if k is None else k, p)
+        got = np.zeros_like(want)
+        np.add.at(got, tuple(rows.T), 1)
+        tv = 0.5 * np.abs(got / n - want).sum()
+        assert tv < _tv_tolerance(want, n), (t, k, p, tv, _tv_tolerance(want, n))
+        if k == 4:
+            assert (got[want == 0] == 0).all()  # nothing outside the top-k / top-p is ever emitted
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def small_pair():
+    target, bigram = _bigram_target(V, context_scale=1.0)
+    return target, _rigged_draft(target, bigram, gamma=3, sample_from_anchor=True, keep=0.5, strength=5.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(prompts=[]), ValueError, "prompts"),
+        (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),
+        (dict(prompts=[[1, V]]), ValueError, r"prompts\[0\]\[1\]=24 is outside the vocabulary"),
+        (dict(prompts=[[-1]]), ValueError, "outside the vocabulary"),
+        (dict(capacity=8), ValueError, "capacity=8 is too small"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=[3, 4, 5]), ValueError, "max_new_tokens has 3 entries"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(stop_tokens=[V + 1]), ValueError, "stop_tokens"),
+        (dict(key=7), TypeError, "key"),
+    ],
+)
+def test_bad_input_raises_before_compiling(small_pair, kwargs, error, message):
+    target, draft = small_pair
+    args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=5, key=jax.random.key(0)) | kwargs
+    with pytest.raises(error, match=message):
+        speculative_generate(target, draft, **args)
+
+
+def test_misfit_draft_raises(small_pair):
+    target, _ = small_pair
+    cfg = DraftConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=V,
+        block_size=3,
+        mask_token_id=V - 1,
+        target_layer_ids=(0, 2),  # the target has 2 layers
+        markov_rank=4,
+    )
+    draft = DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        speculative_generate(target, draft, [[1, 2]], max_new_tokens=4, key=jax.random.key(0))

@@ -1,0 +1,97 @@
+"""The folded-sampling memory gate: mode resolution, the rule, and the estimates."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dspark_jax.memory_gate import (
+    ENV_VAR,
+    GIB,
+    FoldedSampling,
+    closed_form_bytes,
+    executable_bytes,
+    free_device_bytes,
+    plan_folded_sampling,
+)
+
+SHAPE = dict(max_batch=16, gamma=7, vocab=1000)
+NEEDED = 16 * 1000 * 4 + 16 * 7 * 1000 * 4  # noise + float32 corrected logits
+
+
+def test_closed_form_matches_the_spec_example():
+    # DSPARK_SPEC §3: about 0.65 GiB at max_bs 256, V 151936, γ 7 with bf16 logits.
+    size = closed_form_bytes(max_batch=256, gamma=7, vocab=151936, logits_itemsize=2)
+    assert size == 256 * 151936 * 4 + 256 * 7 * 151936 * 2
+    assert abs(size / GIB - 0.65) < 0.01
+    assert closed_form_bytes(**SHAPE) == NEEDED
+
+
+def test_default_mode_is_auto(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert FoldedSampling.resolve() is FoldedSampling.AUTO
+    monkeypatch.setenv(ENV_VAR, "")
+    assert FoldedSampling.resolve() is FoldedSampling.AUTO
+
+
+def test_environment_variable_sets_the_mode_and_argument_wins(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, " Force ")
+    assert FoldedSampling.resolve() is FoldedSampling.FORCE
+    assert plan_folded_sampling(free_bytes=0, **SHAPE).enabled
+    assert FoldedSampling.resolve("off") is FoldedSampling.OFF
+    assert FoldedSampling.resolve(FoldedSampling.AUTO) is FoldedSampling.AUTO
+
+
+def test_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=rf"{ENV_VAR}='sometimes' is invalid: must be one of off, auto, force"):
+        FoldedSampling.resolve()
+
+
+def test_bad_argument_names_the_argument(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=r"folded_sampling='on' is invalid"):
+        FoldedSampling.resolve("on")
+    with pytest.raises(ValueError, match=r"folded_sampling=1 is invalid"):
+        FoldedSampling.resolve(1)
+
+
+def test_off_never_folds_sampling():
+    decision = plan_folded_sampling("off", free_bytes=1 << 50, **SHAPE)
+    assert not decision.enabled and decision.mode is FoldedSampling.OFF
+
+
+def test_force_folds_sampling_without_memory():
+    decision = plan_folded_sampling("force", free_bytes=0, **SHAPE)
+    assert decision.enabled and decision.mode is FoldedSampling.FORCE
+
+
+def test_auto_keeps_one_gib_headroom_after_the_estimate():
+    exact = plan_folded_sampling("auto", free_bytes=NEEDED + GIB, **SHAPE)
+    short = plan_folded_sampling("auto", free_bytes=NEEDED + GIB - 1, **SHAPE)
+    assert exact.enabled and not short.enabled
+    assert exact.headroom == GIB and exact.closed_form_bytes == NEEDED and exact.free_bytes == NEEDED + GIB
+    assert "AUTO" in short.reason
+
+
+def test_auto_uses_the_larger_of_closed_form_and_compiled_estimates():
+    compiled = NEEDED + 10_000
+    decision = plan_folded_sampling("auto", free_bytes=NEEDED + GIB, compiled_bytes=compiled, **SHAPE)
+    assert not decision.enabled
+    assert (decision.closed_form_bytes, decision.compiled_bytes, decision.needed_bytes) == (NEEDED, compiled, compiled)
+    smaller = plan_folded_sampling("auto", free_bytes=NEEDED + GIB, compiled_bytes=1, **SHAPE)
+    assert smaller.enabled and smaller.needed_bytes == NEEDED
+
+
+def test_auto_measures_free_memory_when_not_given():
+    free = free_device_bytes()
+    assert isinstance(free, int) and free > 0
+    decision = plan_folded_sampling("auto", **SHAPE)
+    assert decision.free_bytes is not None and decision.free_bytes > 0
+
+
+def test_executable_bytes_reads_xla_memory_analysis():
+    compiled = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((1000,), jnp.float32)).compile()
+    assert executable_bytes(compiled) >= 4000  # at least the float32 output
+    assert executable_bytes(object()) is None

@@ -1,0 +1,189 @@
+"""Proposer: buckets, padding, ahead-of-time compilation, the gate and input checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from draft_testing import random_draft, tiny_config
+from flax import nnx
+
+from dspark_jax.cache import fill_context, init_context_cache
+from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
+from dspark_jax.proposal import propose
+from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
+from dspark_jax.sampling import TOP_K_ALL
+
+SLOTS, CAPACITY, N_CTX = 5, 12, 6
+CFG = dict(num_hidden_layers=1)
+
+
+def make_cache(draft, seed=0):
+    cfg = draft.cfg
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((SLOTS, N_CTX, cfg.num_fused_layers * cfg.hidden_size)).astype(np.float32)
+    cache = init_context_cache(cfg, SLOTS, CAPACITY)
+    return fill_context(draft, cache, jnp.asarray(features), jnp.zeros(SLOTS, jnp.int32), jnp.full(SLOTS, N_CTX))
+
+
+@pytest.fixture(scope="module")
+def forced():
+    """A precompiled FORCE proposer (buckets 1, 2, 4) over a 5-slot cache."""
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    proposer = Proposer(draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force")
+    proposer.precompile()
+    return draft, proposer, make_cache(draft)
+
+
+def random_call(rng, vocab, rows):
+    """Inputs of one call with ``rows`` requests in random slots, mixed greedy/sampling rows."""
+    temps = rng.choice([0.0, 0.7, 1.3], size=rows).astype(np.float32)
+    top_k = rng.choice([1, 20, TOP_K_ALL], size=rows)
+    return dict(
+        bonus=rng.integers(0, vocab, rows),
+        prefix_lens=rng.integers(0, N_CTX + 1, rows),
+        temperatures=temps,
+        top_k=top_k,
+        slots=rng.permutation(SLOTS)[:rows],
+    )
+
+
+def test_batch_buckets_are_powers_of_two_up_to_max_batch():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"max_batch=0 is invalid"):
+        batch_buckets(0)
+
+
+def test_no_compilation_across_200_calls_after_precompile(forced):
+    draft, proposer, cache = forced
+    rng = np.random.default_rng(0)
+    calls = []
+    for i in range(200):
+        rows = int(rng.integers(1, 5))
+        args = random_call(rng, draft.cfg.vocab_size, rows)
+        if i % 3 == 0:  # all greedy
+            args["temperatures"] = np.zeros(rows, np.float32)
+        typed = jax.random.key(i)
+        per_row = jax.random.split(typed, rows)
+        args["key"] = [typed, jax.random.key_data(typed), per_row, jax.random.key_data(per_row)][i % 4]
+        calls.append(args)
+    with CompileCounter() as counter:
+        blocks = [proposer(cache, **args) for args in calls]
+        jax.block_until_ready(blocks)
+    assert counter.count == 0 and counter.lowerings == 0
+    sampled = [bool((~np.asarray(b.greedy_mask)).any()) for b in blocks]
+    assert any(sampled) and not all(sampled)
+    assert {b.draft_tokens.shape[0] for b in blocks} == {1, 2, 3, 4}
+
+
+def test_padded_rows_never_change_real_rows(forced):
+    draft, proposer, cache = forced
+    rng = np.random.default_rng(1)
+    args = random_call(rng, draft.cfg.vocab_size, 3)
+    args["temperatures"] = np.array([0.0, 0.9, 1.4], np.float32)
+    args["top_k"] = np.full(3, TOP_K_ALL)
+    key = jax.random.key(77)
+    padded = proposer(cache, **args, key=key)  # bucket 4
+    # The same rows, unpadded, through plain propose on the gathered cache rows.
+    slots = args.pop("slots")
+    rows_cache = jax.tree.map(lambda x: x[:, slots], cache)
+    graphdef, state = nnx.split(draft)
+    direct = jax.jit(propose, static_argnums=0)(graphdef, state, rows_cache, **args, key=key)
+    np.testing.assert_array_equal(np.asarray(padded.draft_tokens), np.asarray(direct.draft_tokens))
+    np.testing.assert_allclose(np.asarray(padded.corrected_logits), np.asarray(direct.corrected_logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(padded.confidence), np.asarray(direct.confidence), atol=1e-6)
+    # unpad=False returns the whole bucket; its first rows are the same.
+    proposer.unpad = False
+    try:
+        whole = proposer(cache, **args, slots=slots, key=key)
+    finally:
+        proposer.unpad = True
+    assert whole.draft_tokens.shape[0] == 4
+    np.testing.assert_array_equal(np.asarray(whole.draft_tokens)[:3], np.asarray(direct.draft_tokens))
+    # A fourth real row of any content leaves the first three unchanged.
+    for extra in range(2):
+        more = {name: np.concatenate([value, value[:1] * 0 + extra]) for name, value in args.items()}
+        more["slots"] = np.concatenate([slots, [4 - extra]])
+        more["temperatures"][3] = 1.0 + extra
+        full = proposer(cache, **more, key=key)
+        np.testing.assert_array_equal(np.asarray(full.draft_tokens)[:3], np.asarray(direct.draft_tokens))
+
+
+def test_gate_reports_closed_form_and_compiled_estimates(forced):
+    draft, proposer, _ = forced
+    cfg, gate = draft.cfg, proposer.gate
+    assert gate.mode is FoldedSampling.FORCE and gate.enabled
+    assert gate.closed_form_bytes == 4 * cfg.vocab_size * 4 + 4 * cfg.gamma * cfg.vocab_size * 4
+    # The sampling executable returns the [max_bs, γ, V] float32 logits the greedy one does not.
+    assert gate.compiled_bytes is not None and gate.compiled_bytes >= 4 * cfg.gamma * cfg.vocab_size * 4
+
+
+def test_auto_gate_short_of_memory_warns_and_samples_eagerly(forced):
+    draft, reference, cache = forced
+    with pytest.warns(RuntimeWarning, match=f"{ENV_VAR}=FORCE"):
+        proposer = Proposer(
+            draft, max_batch=1, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="auto", free_bytes=1
+        )
+    assert not proposer.gate.enabled and proposer.gate.free_bytes == 1
+    proposer.precompile()
+    rng = np.random.default_rng(2)
+    calls = [dict(random_call(rng, draft.cfg.vocab_size, 1), key=jax.random.key(i)) for i in range(40)]
+    with CompileCounter() as counter:
+        blocks = [proposer(cache, **args) for args in calls]
+        jax.block_until_ready(blocks)
+    assert counter.count == 0 and counter.lowerings == 0
+    assert any(not bool(np.asarray(b.greedy_mask)[0]) for b in blocks)  # some calls sampled
+    # The eager path picks the same tokens as the folded one (same keys, same rows).
+    for args, block in zip(calls, blocks, strict=True):
+        expected = reference(cache, **args)
+        np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(expected.draft_tokens))
+        np.testing.assert_allclose(np.asarray(block.corrected_logits), np.asarray(expected.corrected_logits), atol=1e-5)
+
+
+def test_mode_comes_from_the_environment_variable(monkeypatch):
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    monkeypatch.setenv(ENV_VAR, "off")
+    proposer = Proposer(draft, max_batch=2, capacity=CAPACITY)
+    assert proposer.gate.mode is FoldedSampling.OFF and not proposer.gate.enabled
+
+
+BAD_CALLS = {
+    "batch-above-max": (
+        dict(rows=5),
+        ValueError,
+        r"batch size B=5 \(len\(bonus\)\) is too large: must be <= max_batch=4",
+    ),
+    "slot-out-of-range": (dict(slots=np.array([0, 5])), ValueError, r"slots\[1\]=5 is out of range"),
+    "bonus-out-of-vocab": (dict(bonus=np.array([3, 40])), ValueError, r"bonus\[1\]=40 is out of range"),
+    "mismatched-batch": (dict(top_k=np.array([1, 1, 1])), ValueError, r"top_k has shape \(3,\)"),
+    "temperature-nan": (dict(temperatures=np.array([np.nan, 1.0], np.float32)), ValueError, r"temperatures\[0\]=nan"),
+    "temperature-negative": (dict(temperatures=np.array([1.0, -2.0], np.float32)), ValueError, r"temperatures\[1\]"),
+    "key-wrong-type": (dict(key=np.zeros(2, np.int64)), TypeError, r"key has dtype int64"),
+    "cache-wrong-capacity": (dict(capacity=CAPACITY + 1), ValueError, r"this Proposer was built for"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_call_raises_before_any_compilation(forced, case):
+    draft, proposer, cache = forced
+    change, error, message = BAD_CALLS[case]
+    change = dict(change)
+    rows = change.pop("rows", 2)
+    args = dict(
+        bonus=np.arange(rows) % draft.cfg.vocab_size,
+        prefix_lens=np.zeros(rows, int),
+        temperatures=np.ones(rows, np.float32),
+        top_k=np.full(rows, TOP_K_ALL),
+        key=jax.random.key(0),
+        slots=np.arange(rows) % SLOTS,
+    )
+    if "capacity" in change:
+        shape = (*proposer.cache_shape[:2], change.pop("capacity"), *proposer.cache_shape[3:])
+        cache = type(cache)(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32))
+    args.update(change)
+    with CompileCounter() as counter, pytest.raises(error, match=message):
+        proposer(cache, **args)
+    assert counter.count == 0 and counter.lowerings == 0

@@ -1,0 +1,213 @@
+"""The exponential-race sampler: distribution, determinism rules and key handling.
+
+Statistical tolerance (used by every frequency test here and in test_proposal.py):
+for ``n`` independent draws over ``V`` cells with probabilities ``p``,
+``E[TV] = ½ Σ E|p̂_v − p_v| ≤ ½ Σ sqrt(p_v / n) ≤ ½ sqrt(V / n)`` (Cauchy–Schwarz), and
+TV changes by at most ``1 / n`` when one draw changes, so McDiarmid gives
+``P(TV ≥ E[TV] + t) ≤ exp(−2 n t²)``. With ``t = sqrt(ln(1/δ) / (2n))`` and
+``δ = 1e-6`` a correct sampler fails one check with probability below 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.sampling import (
+    MIN_TEMPERATURE,
+    TOP_K_ALL,
+    greedy_rows,
+    log_exponential_noise,
+    row_keys,
+    sample_step,
+    step_keys,
+)
+
+N_DRAWS = 20_000
+
+
+def tv_bound(vocab: int, n: int, delta: float = 1e-6) -> float:
+    """``½ sqrt(V / n) + sqrt(ln(1/δ) / 2n)`` (see the module docstring)."""
+    return 0.5 * math.sqrt(vocab / n) + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def tv(freq: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(freq - p).sum())
+
+
+_sample = jax.jit(sample_step)
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0], np.float32)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_sampled_frequencies_match_softmax_over_temperature(temperature):
+    v = LOGITS.size
+    logits = np.broadcast_to(LOGITS, (N_DRAWS, v))
+    tokens = np.asarray(
+        _sample(logits, np.full(N_DRAWS, temperature, np.float32), np.zeros(N_DRAWS, bool), jax.random.key(7))
+    )
+    freq = np.bincount(tokens, minlength=v) / N_DRAWS
+    expected = softmax(LOGITS.astype(np.float64) / temperature)
+    bound = tv_bound(v, N_DRAWS)
+    # The test has power: the neighbouring temperatures' distributions are far outside the bound.
+    for other in (0.5, 1.0, 2.5):
+        if other != temperature:
+            assert tv(softmax(LOGITS.astype(np.float64) / other), expected) > 3 * bound
+    assert tv(freq, expected) < bound
+
+
+def test_noise_is_fresh_at_every_step():
+    # Uniform logits: tokens of steps 0 and 1 must be independent, so the joint histogram
+    # over V² cells is uniform; reusing a step's noise would put all mass on the diagonal.
+    v = 8
+    keys = row_keys(jax.random.key(3), N_DRAWS)
+    logits = np.zeros((N_DRAWS, v), np.float32)
+    temps, greedy = np.ones(N_DRAWS, np.float32), np.zeros(N_DRAWS, bool)
+    first = np.asarray(_sample(logits, temps, greedy, step_keys(keys, 0)))
+    second = np.asarray(_sample(logits, temps, greedy, step_keys(keys, 1)))
+    joint = np.bincount(first * v + second, minlength=v * v) / N_DRAWS
+    assert tv(joint, np.full(v * v, 1 / (v * v))) < tv_bound(v * v, N_DRAWS)
+
+
+def test_noise_is_strictly_positive_exponential():
+    log_e = np.asarray(log_exponential_noise(jax.random.split(jax.random.key(0), 64), 4096))
+    assert np.isfinite(log_e).all()
+    e = np.exp(log_e.astype(np.float64)).ravel()
+    # Exp(1): mean 1, P(E > 1) = 1/e; 262144 draws, 6-sigma tolerances.
+    n = e.size
+    assert abs(e.mean() - 1.0) < 6 / math.sqrt(n)
+    assert abs((e > 1).mean() - math.exp(-1)) < 6 * math.sqrt(math.exp(-1) * (1 - math.exp(-1)) / n)
+
+
+def test_greedy_rows_ignore_noise_and_temperature():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((16, 50)).astype(np.float32)
+    expected = logits.argmax(-1)
+    for seed, temp in ((0, 0.7), (1, 3.0), (2, 1e-3)):
+        got = _sample(logits, np.full(16, temp, np.float32), np.ones(16, bool), jax.random.key(seed))
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_ties_go_to_lowest_token_id():
+    # Greedy: equal maxima at ids 1, 3, 4.
+    logits = np.array([[0.0, 3.0, 1.0, 3.0, 3.0], [-1.0, 2.0, 2.0, -np.inf, 2.0]], np.float32)
+    got = _sample(logits, np.ones(2, np.float32), np.ones(2, bool), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(got), [1, 1])
+    # Sampled: +inf logits race at +inf whatever the noise, an exact tie in the scores.
+    tied = np.broadcast_to(np.array([0.0, np.inf, 5.0, np.inf], np.float32), (500, 4))
+    got = _sample(tied, np.full(500, 0.8, np.float32), np.zeros(500, bool), jax.random.key(1))
+    assert (np.asarray(got) == 1).all()
+
+
+def test_all_minus_inf_or_nan_row_yields_token_zero():
+    logits = np.zeros((4, 6), np.float32)
+    logits[0] = -np.inf
+    logits[1] = np.nan
+    logits[2] = [-np.inf, np.nan, -np.inf, np.nan, -np.inf, -np.inf]
+    logits[3] = [-np.inf, np.nan, -np.inf, 2.0, -np.inf, -np.inf]  # NaN counts as -inf
+    for greedy in (True, False):
+        for seed in range(3):
+            got = _sample(logits, np.ones(4, np.float32), np.full(4, greedy), jax.random.key(seed))
+            np.testing.assert_array_equal(np.asarray(got), [0, 0, 0, 3])
+
+
+def test_minus_inf_tokens_are_never_sampled():
+    logits = np.broadcast_to(np.array([-np.inf, 0.0, -np.inf, 0.0], np.float32), (4000, 4))
+    got = np.asarray(_sample(logits, np.full(4000, 5.0, np.float32), np.zeros(4000, bool), jax.random.key(1)))
+    assert set(np.unique(got)) == {1, 3}
+
+
+def test_temperature_is_clamped_at_min_temperature():
+    n = 2000
+    # Logits 2e-5 apart: at T = 1e-5 that is 2 nats, so the race is genuinely random.
+    near = np.broadcast_to(np.array([0.0, 2e-5, 1e-5], np.float32), (n, 3))
+    keys = jax.random.key(11)
+    at_min = np.asarray(_sample(near, np.full(n, MIN_TEMPERATURE, np.float32), np.zeros(n, bool), keys))
+    below = np.asarray(_sample(near, np.full(n, 1e-7, np.float32), np.zeros(n, bool), keys))
+    np.testing.assert_array_equal(below, at_min)
+    assert len(np.unique(at_min)) == 3  # not argmax: without the clamp 1e-7 would always pick 1
+    # Well-separated logits: a clamped tiny temperature is argmax for every key.
+    far = np.broadcast_to(np.array([0.0, 1e-2, -1e-2], np.float32), (n, 3))
+    got = np.asarray(_sample(far, np.full(n, 1e-7, np.float32), np.zeros(n, bool), keys))
+    assert (got == 1).all()
+
+
+def test_greedy_rows_rule():
+    temps = np.array([0.0, 0.0, 1.0, 1.0, 0.5, 0.7], np.float32)
+    top_k = np.array([TOP_K_ALL, 1, 1, 0, 2, TOP_K_ALL])
+    np.testing.assert_array_equal(np.asarray(greedy_rows(temps, top_k)), [True, True, True, True, False, False])
+
+
+def test_zero_temperature_row_is_greedy_through_the_rule():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((64, 20)).astype(np.float32)
+    temps = np.zeros(64, np.float32)
+    got = _sample(logits, temps, greedy_rows(temps, np.full(64, TOP_K_ALL)), jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
+
+
+def test_per_row_keys_make_rows_independent_of_the_batch():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((6, 30)).astype(np.float32)
+    temps = np.full(6, 1.3, np.float32)
+    keys = jax.random.split(jax.random.key(5), 6)
+    full = np.asarray(_sample(logits, temps, np.zeros(6, bool), keys))
+    order = np.array([4, 1, 5])
+    subset = np.asarray(_sample(logits[order], temps[order], np.zeros(3, bool), keys[order]))
+    np.testing.assert_array_equal(subset, full[order])
+
+
+def test_one_key_rows_do_not_depend_on_batch_size():
+    # Row b of one key uses fold_in(key, b), so padding a batch leaves its rows unchanged.
+    keys3 = jax.random.key_data(row_keys(jax.random.key(9), 3))
+    keys8 = jax.random.key_data(row_keys(jax.random.key(9), 8))
+    np.testing.assert_array_equal(np.asarray(keys8[:3]), np.asarray(keys3))
+
+
+def test_raw_and_typed_keys_agree():
+    typed = jax.random.key(21)
+    raw = jax.random.key_data(typed)
+    for single_typed, single_raw in (
+        (typed, raw),
+        (jax.random.split(typed, 4), jax.random.key_data(jax.random.split(typed, 4))),
+    ):
+        a = jax.random.key_data(row_keys(single_typed, 4))
+        b = jax.random.key_data(row_keys(single_raw, 4))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        7,
+        np.zeros(2, np.float32),
+        np.zeros(3, np.uint32),
+        np.zeros((5, 2), np.uint32),
+        "seed",
+    ],
+    ids=["int", "float-array", "raw-wrong-length", "raw-wrong-batch", "str"],
+)
+def test_bad_key_raises_type_error_naming_key(key):
+    with pytest.raises(TypeError, match=r"^key"):
+        row_keys(key, 4)
+
+
+def test_typed_keys_of_wrong_batch_raise():
+    with pytest.raises(TypeError, match=r"key has shape \(3,\) for batch 4"):
+        row_keys(jax.random.split(jax.random.key(0), 3), 4)
+
+
+def test_sample_step_is_float32_for_low_precision_logits():
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((8, 40)), jnp.bfloat16)
+    got = _sample(logits, np.ones(8, np.float32), np.ones(8, bool), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(logits.astype(jnp.float32)).argmax(-1))

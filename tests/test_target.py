@@ -1,0 +1,293 @@
+"""The reference Qwen3 target: cached decoding, HF checkpoints, pairing with a draft."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.target import Qwen3Target, check_pair, load_target, save_target
+
+V, H, L = 20, 16, 2
+
+
+def _cfg(**kw) -> TargetConfig:
+    base = dict(
+        hidden_size=H,
+        intermediate_size=24,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        rope_theta=10_000.0,
+    )
+    return TargetConfig(**(base | kw))
+
+
+def _draft_cfg(**kw) -> DraftConfig:
+    base = dict(
+        hidden_size=H,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=V,
+        block_size=3,
+        mask_token_id=V - 1,
+        target_layer_ids=(-1, L - 1),
+        markov_rank=4,
+    )
+    return DraftConfig(**(base | kw))
+
+
+# ---------------------------------------------------------------- NumPy reference
+def _hf_tensors(cfg: TargetConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random HF-named tensors in the PyTorch ``[out, in]`` layout."""
+    rng = np.random.default_rng(seed)
+    d, nh, kvh, i = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+
+    def w(*shape):
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": 1 + w(H)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = w(V, H)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        t[p + "self_attn.q_proj.weight"] = w(nh * d, H)
+        t[p + "self_attn.k_proj.weight"] = w(kvh * d, H)
+        t[p + "self_attn.v_proj.weight"] = w(kvh * d, H)
+        t[p + "self_attn.o_proj.weight"] = w(H, nh * d)
+        if cfg.attention_bias:
+            for n, width in (("q", nh * d), ("k", kvh * d), ("v", kvh * d), ("o", H)):
+                t[p + f"self_attn.{n}_proj.bias"] = w(width)
+        t[p + "self_attn.q_norm.weight"] = 1 + w(d)
+        t[p + "self_attn.k_norm.weight"] = 1 + w(d)
+        t[p + "mlp.gate_proj.weight"] = w(i, H)
+        t[p + "mlp.up_proj.weight"] = w(i, H)
+        t[p + "mlp.down_proj.weight"] = w(H, i)
+        t[p + "input_layernorm.weight"] = 1 + w(H)
+        t[p + "post_attention_layernorm.weight"] = 1 + w(H)
+    return t
+
+
+def _rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rope(x, pos, theta):  # x [S, heads, D]
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = pos[:, None] * inv  # [S, D/2]
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _numpy_forward(t: dict[str, np.ndarray], cfg: TargetConfig, tokens: list[int]) -> np.ndarray:
+    """Logits ``[S, V]`` of one sequence, written from the Qwen3 equations."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    eps, d = cfg.rms_norm_eps, cfg.head_dim
+    nh, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    s = len(tokens)
+    pos = np.arange(s, dtype=np.float64)
+    x = t["model.embed_tokens.weight"][tokens]
+    causal = np.tril(np.ones((s, s), bool))
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+
+        def lin(a, name, p=p):
+            out = a @ t[p + name + ".weight"].T
+            return out + t[p + name + ".bias"] if p + name + ".bias" in t else out
+
+        a = _rms(x, t[p + "input_layernorm.weight"], eps)
+        q = _rms(lin(a, "self_attn.q_proj").reshape(s, nh, d), t[p + "self_attn.q_norm.weight"], eps)
+        k = _rms(lin(a, "self_attn.k_proj").reshape(s, kvh, d), t[p + "self_attn.k_norm.weight"], eps)
+        v = lin(a, "self_attn.v_proj").reshape(s, kvh, d)
+        q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+        heads = []
+        for h in range(nh):
+            g = h // (nh // kvh)
+            scores = np.where(causal, q[:, h] @ k[:, g].T / np.sqrt(d), -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            heads.append((w / w.sum(-1, keepdims=True)) @ v[:, g])
+        x = x + lin(np.concatenate(heads, axis=-1), "self_attn.o_proj")
+        m = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
+        gate = lin(m, "mlp.gate_proj")
+        x = x + lin(gate / (1 + np.exp(-gate)) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+    head = t["model.embed_tokens.weight"] if cfg.tie_word_embeddings else t["lm_head.weight"]
+    return _rms(x, t["model.norm.weight"], eps) @ head.T
+
+
+def _write_hf(path, cfg: TargetConfig, tensors: dict[str, np.ndarray]) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f)
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "feature_layers"))
+def _jit_forward(graphdef, state, tokens, positions, cache, valid, feature_layers=()):
+    return nnx.merge(graphdef, state)(tokens, positions, cache, valid=valid, feature_layers=feature_layers)
+
+
+def _forward(target, tokens, positions, cache, valid=None, feature_layers=()):
+    """The target's forward, compiled (eager NNX calls are slow on a busy CPU)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid)
+    graphdef, state = nnx.split(target)
+    return _jit_forward(graphdef, state, tokens, jnp.asarray(positions, jnp.int32), cache, valid, feature_layers)
+
+
+def _logits(target, tokens):
+    logits, _, _ = _forward(target, [tokens], np.arange(len(tokens))[None], target.init_cache(1, 16))
+    return np.asarray(logits[0])
+
+
+# ---------------------------------------------------------------------- tests
+@pytest.mark.parametrize(
+    "kw", [dict(tie_word_embeddings=False), dict(tie_word_embeddings=True, attention_bias=True)], ids=["untied", "tied"]
+)
+def test_hand_written_hf_checkpoint_matches_numpy_forward(tmp_path, kw):
+    cfg = _cfg(**kw)
+    tensors = _hf_tensors(cfg, seed=1)
+    _write_hf(tmp_path, cfg, tensors)
+    target = load_target(tmp_path)
+    tokens = [3, 17, 0, 9, 9, 12, 5]
+    np.testing.assert_allclose(_logits(target, tokens), _numpy_forward(tensors, cfg, tokens), atol=2e-4, rtol=2e-4)
+    assert (target.head is None) == cfg.tie_word_embeddings
+
+
+def test_cached_incremental_decoding_equals_full_forward():
+    cfg = _cfg()
+    target = Qwen3Target(cfg, rngs=nnx.Rngs(0))
+    tokens = np.asarray([[4, 8, 15, 16, 2, 3, 11, 7], [1, 0, 19, 5, 5, 6, 12, 3]])
+    positions = np.broadcast_to(np.arange(8), (2, 8))
+    full, full_feats, _ = _forward(target, tokens, positions, target.init_cache(2, 12), feature_layers=(-1, 1))
+    cache = target.init_cache(2, 12)
+    pieces, feats = [], []
+    for lo in range(0, 8, 2):  # a short prefill, then two-token verify steps
+        out, f, cache = _forward(
+            target, tokens[:, lo : lo + 2], positions[:, lo : lo + 2], cache, feature_layers=(-1, 1)
+        )
+        pieces.append(out)
+        feats.append(f)
+    np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate(feats, 1), full_feats, atol=1e-5, rtol=1e-5)
+
+
+def test_invalid_rows_are_not_cached_and_stale_future_entries_are_not_seen():
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    _, _, cache = _forward(target, [[1, 2, 3]], np.arange(3)[None], target.init_cache(1, 8))
+    # Garbage at positions 2..4, as rejected drafts leave behind; then decode over them.
+    _, _, junk = _forward(target, [[9, 9, 9]], np.arange(2, 5)[None], cache)
+    out, _, after = _forward(target, [[6, 7, 8]], np.arange(2, 5)[None], junk, valid=[[True, False, False]])
+    ref, _, _ = _forward(target, [[1, 2, 6]], np.arange(3)[None], target.init_cache(1, 8))
+    np.testing.assert_allclose(out[0, 0], ref[0, 2], atol=1e-5)
+    np.testing.assert_array_equal(after.k[:, :, 3:], junk.k[:, :, 3:])  # invalid rows left the cache alone
+    assert not np.array_equal(after.k[:, :, 2], junk.k[:, :, 2])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_load_round_trip_single_and_sharded(tmp_path, tied):
+    target = Qwen3Target(_cfg(tie_word_embeddings=tied), rngs=nnx.Rngs(3))
+    tokens = [1, 5, 9, 2]
+    save_target(target, tmp_path / "single")
+    save_target(target, tmp_path / "sharded", max_shard_bytes=4000)
+    shards = [f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]
+    assert len(shards) > 2 and os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
+    names = set(safetensors.numpy.load_file(str(tmp_path / "single" / "model.safetensors")))
+    assert ("lm_head.weight" in names) != tied
+    for sub in ("single", "sharded"):
+        loaded = load_target(tmp_path / sub)
+        np.testing.assert_array_equal(_logits(loaded, tokens), _logits(target, tokens))
+
+
+def test_saved_linear_weights_use_the_out_in_layout(tmp_path):
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
+    save_target(target, tmp_path)
+    t = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    kernel = np.asarray(target.layers[0].mlp.gate_proj.kernel.get_value())  # [in, out]
+    np.testing.assert_array_equal(t["model.layers.0.mlp.gate_proj.weight"], kernel.T)
+
+
+def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
+    cfg = _cfg()
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in _hf_tensors(cfg, seed=2).items()}
+    _write_hf(tmp_path, cfg, tensors)
+    target = load_target(tmp_path, dtype="bfloat16")
+    assert target.embed_tokens.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(target.layers[1].self_attn.k_proj.kernel.get_value()).astype(np.float32),
+        tensors["model.layers.1.self_attn.k_proj.weight"].astype(np.float32).T,
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing tensors.*layers.1.mlp.up_proj"),
+        (lambda t: t.update({"model.layers.0.extra.weight": np.zeros(3, np.float32)}), "unexpected.*extra"),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((H, 32), np.float32)}),
+            r"q_proj.weight.*shape \(16, 32\).*expected \(32, 16\)",
+        ),
+    ],
+    ids=["missing", "unexpected", "misshapen"],
+)
+def test_bad_checkpoints_raise_naming_the_tensor(tmp_path, edit, message):
+    cfg = _cfg()
+    tensors = _hf_tensors(cfg, seed=0)
+    edit(tensors)
+    _write_hf(tmp_path, cfg, tensors)
+    with pytest.raises(ValueError, match=message):
+        load_target(tmp_path)
+
+
+def test_missing_weights_file_raises(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(_cfg().to_hf_config(), f)
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        load_target(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(hidden_size=32, num_attention_heads=4), "hidden_size=32"),
+        (dict(vocab_size=V + 4, mask_token_id=V), "vocab_size=24"),
+        (dict(target_layer_ids=(0, L)), "target_layer_ids"),
+        (dict(num_target_layers=L + 3, target_layer_ids=(0, 1)), "num_target_layers=5"),
+    ],
+)
+def test_check_pair_rejects_a_draft_that_does_not_fit(kw, message):
+    check_pair(_draft_cfg(), _cfg())
+    with pytest.raises(ValueError, match=message):
+        check_pair(_draft_cfg(**kw), _cfg())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_draft_shares_the_targets_embedding_and_lm_head(tied):
+    target = Qwen3Target(_cfg(tie_word_embeddings=tied), rngs=nnx.Rngs(0))
+    draft = DSparkDraft(_draft_cfg(), rngs=nnx.Rngs(1), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    assert draft.embed_tokens.get_value() is target.embed_tokens
+    assert draft.lm_head.get_value() is target.lm_head
+    assert (target.lm_head is target.embed_tokens) == tied
+    # Split states hold the same buffers, not copies.
+    _, t_state = nnx.split(target)
+    _, d_state = nnx.split(draft)
+    t_leaves = {id(x) for x in jax.tree.leaves(t_state)}
+    assert id(d_state["embed_tokens"].get_value()) in t_leaves
+    assert id(d_state["lm_head"].get_value()) in t_leaves
