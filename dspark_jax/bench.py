@@ -14,8 +14,9 @@ per request and measures, per batch bucket and sampling mode:
 * with ``--e2e``, plain against speculative decoding of a Qwen3-8B-shaped target with
   accepted lengths forced to a chosen mean.
 
-Timing: each call is dispatched and waited for (``block_until_ready``) on its own after
-a warm-up; the tables give the median over ``--iters`` calls.
+Timing (:func:`time_call`): after a warm-up, each call is dispatched and waited for
+(``block_until_ready``) on its own; the tables give the median over ``--iters`` calls,
+plus the host dispatch time and the per-call time of calls dispatched back to back.
 
 Shape legend: B batch, γ draft slots, V vocabulary, H hidden, C context capacity,
 L draft layers, T verify width (γ + 1).
@@ -245,16 +246,40 @@ def floor_ms(cost: dict[str, float], bandwidth: float, flop_rate: float) -> tupl
 
 # --------------------------------------------------------------------------- timing
 def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
-    """Median, 10th and 90th percentile wall time (ms) of ``fn()`` waited on alone."""
+    """Wall time (ms) of ``fn()``: each call alone, and back to back.
+
+    Returns:
+      ``median_ms``, ``p10_ms``, ``p90_ms`` over ``iters`` calls each waited for on its
+      own (latency as a caller that needs the result sees it); ``dispatch_ms``, the
+      median time until the call returns, before its result is ready (host work); and
+      ``pipelined_ms``, the mean time per call over ``iters`` calls dispatched back to
+      back with one wait at the end (host work overlapping device work, as in a serving
+      loop that does not read every result at once).
+    """
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    times = []
+    times, dispatch = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        out = fn()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3)
+        dispatch.append((t1 - t0) * 1e3)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn()  # in-order execution: the last result ready means all are done
+    jax.block_until_ready(out)
+    pipelined = (time.perf_counter() - t0) * 1e3 / iters
     p10, med, p90 = np.percentile(times, [10, 50, 90])
-    return {"median_ms": float(med), "p10_ms": float(p10), "p90_ms": float(p90), "iters": iters}
+    return {
+        "median_ms": float(med),
+        "p10_ms": float(p10),
+        "p90_ms": float(p90),
+        "dispatch_ms": float(np.median(dispatch)),
+        "pipelined_ms": pipelined,
+        "iters": iters,
+    }
 
 
 def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, float]:
@@ -268,14 +293,14 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     x = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32))(jax.random.key(1))
     elementwise = jax.jit(lambda a: a * 2.0 + 1.0)
     copy = jax.jit(lambda a: jnp.copy(a))
-    t_elem = time_call(lambda: elementwise(x), iters=iters)["median_ms"]
-    t_copy = time_call(lambda: copy(x), iters=iters)["median_ms"]
+    t_elem = time_call(lambda: elementwise(x), iters=iters)["pipelined_ms"]
+    t_copy = time_call(lambda: copy(x), iters=iters)["pipelined_ms"]
     m = matmul_size
     ka, kb = jax.random.split(jax.random.key(2))
     a = jax.random.normal(ka, (m, m), jnp.bfloat16)
     b = jax.random.normal(kb, (m, m), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
-    t_mm = time_call(lambda: matmul(a, b), iters=iters)["median_ms"]
+    t_mm = time_call(lambda: matmul(a, b), iters=iters)["pipelined_ms"]
     return {
         "elementwise_bytes_per_s": 2 * nbytes / (t_elem * 1e-3),
         "copy_bytes_per_s": 2 * nbytes / (t_copy * 1e-3),
@@ -289,7 +314,8 @@ def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict
     """Device time per kernel over ``iters`` calls, from a ``jax.profiler`` trace.
 
     Returns:
-      ``{"calls", "device_busy_ms" (per call, summed over kernels), "kernels": [{name,
+      ``{"calls", "device_busy_ms" (per call, summed over kernels), "launches_per_call",
+      "kernels": [{name,
       ms_per_call, count_per_call}]}``, the kernels sorted by time; empty kernels when the
       backend records no device plane (the CPU).
     """
@@ -316,6 +342,7 @@ def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict
     return {
         "calls": iters,
         "device_busy_ms": sum(t for t, _ in totals.values()) / iters,
+        "launches_per_call": sum(c for _, c in totals.values()) / iters,
         "kernels": [
             {"name": name[:120], "ms_per_call": t / iters, "count_per_call": c / iters}
             for name, (t, c) in kernels[:top]
@@ -720,16 +747,23 @@ def format_table(result: dict[str, Any]) -> str:
         )
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
-        f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p10':>8} {'p90':>8} {'floor':>7} "
-        f"{'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} {'graph/jax':>9}"
+        f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
+        f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
+        f"{'graph/jax':>9}"
     )
-    lines += ["propose latency, ms (median of timed calls)", header, "-" * len(header)]
+    lines += [
+        "propose latency, ms: median and p90 of calls waited for one by one; dispatch = host time per call; "
+        "pipelined = per call when dispatched back to back",
+        header,
+        "-" * len(header),
+    ]
     for r in result.get("propose", []):
         key = (r["batch"], r["mode"])
         graph = torch_rows.get((*key, "graph")) if r["path"] == "folded" else None
         lines.append(
-            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p10_ms']:>8.3f} "
-            f"{r['p90_ms']:>8.3f} {_fmt(r.get('floor_ms')):>7} {r.get('floor_bound', '-'):<5} "
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+            f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('floor_ms')):>7} "
+            f"{r.get('floor_bound', '-'):<5} "
             f"{_fmt(r['median_ms'] / r['floor_ms'] if r.get('floor_ms') else None, '.2f'):>7} "
             f"{_fmt(r.get('floor_copy_ms')):>10} "
             f"{_fmt(torch_rows.get((*key, 'eager')) if r['path'] == 'folded' else None):>11} "

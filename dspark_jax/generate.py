@@ -35,7 +35,7 @@ from dspark_jax.accept import accept, sample_tokens
 from dspark_jax.cache import ContextCache, init_context_cache
 from dspark_jax.commit import commit, prefill
 from dspark_jax.proposal import propose_with
-from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.sampling import TOP_K_ALL, greedy_step
 from dspark_jax.target import check_pair
 
 
@@ -212,6 +212,18 @@ def _emit(state_out, n_out, tokens, count, done, requests):
     return out, n_out, done
 
 
+def _any_sampling(requests: Requests) -> bool:
+    """Whether any row samples (static: all-greedy batches skip the noise and the sort)."""
+    return not bool(np.all((np.asarray(requests.top_k) <= 1) | (np.asarray(requests.temperatures) <= 0)))
+
+
+def _pick(logits: jax.Array, requests: Requests, key: jax.Array, sampling: bool) -> jax.Array:
+    """The target's own next token ``[B]``: argmax, or its sampling rule when any row samples."""
+    if not sampling:
+        return greedy_step(logits)
+    return sample_tokens(logits, requests.temperatures, requests.top_k, requests.top_p, key)
+
+
 def _prefill_target(target, tokens, lengths, capacity, feature_layers):
     """Runs the padded prompts; returns ``(last-token logits [B, V], features, cache)``."""
     b, p = tokens.shape
@@ -224,7 +236,9 @@ def _prefill_target(target, tokens, lengths, capacity, feature_layers):
 
 
 # ------------------------------------------------------------------ speculative
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "capacity", "out_len", "feature_layers"))
+@functools.partial(
+    jax.jit, static_argnames=("target_def", "draft_def", "capacity", "out_len", "sampling", "feature_layers")
+)
 def _start(
     target_state,
     draft_state,
@@ -237,15 +251,17 @@ def _start(
     draft_def,
     capacity: int,
     out_len: int,
+    sampling: bool,
     feature_layers: tuple[int, ...],
 ) -> DecodeState:
+    """Target prefill, draft context prefill and the first token, one compiled call."""
     target = nnx.merge(target_def, target_state)
     draft = nnx.merge(draft_def, draft_state)
     b = tokens.shape[0]
     last_logits, features, target_cache = _prefill_target(target, tokens, lengths, capacity, feature_layers)
     context = prefill(draft, init_context_cache(draft.cfg, b, capacity), features, lengths)
     key, k_first = jax.random.split(key)
-    first = sample_tokens(last_logits, requests.temperatures, requests.top_k, requests.top_p, k_first)  # [B]
+    first = _pick(last_logits, requests, k_first, sampling)  # [B]
     out, n_out, done = _emit(
         jnp.zeros((b, out_len), jnp.int32),
         jnp.zeros((b,), jnp.int32),
@@ -271,7 +287,7 @@ def _start(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("target_def", "draft_def", "fold_sampling", "feature_layers"),
+    static_argnames=("target_def", "draft_def", "sampling", "feature_layers"),
     donate_argnames=("state",),
 )
 def _round(
@@ -282,7 +298,7 @@ def _round(
     *,
     target_def,
     draft_def,
-    fold_sampling: bool,
+    sampling: bool,
     feature_layers: tuple[int, ...],
 ) -> DecodeState:
     """Propose + verify + accept + commit, one compiled call."""
@@ -298,7 +314,7 @@ def _round(
         requests.temperatures,
         requests.top_k,
         k_prop,
-        fold_sampling=fold_sampling,
+        fold_sampling=sampling,
     )
     b, gamma = block.draft_tokens.shape
     tokens = jnp.concatenate([state.bonus[:, None], block.draft_tokens], axis=1)  # [B, T]
@@ -375,10 +391,14 @@ def speculative_generate(
     _check_key(key)
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, gamma + 1)
-    fold = not bool(np.all((np.asarray(requests.top_k) <= 1) | (np.asarray(requests.temperatures) == 0)))
     target_def, target_state = nnx.split(target)
     draft_def, draft_state = nnx.split(draft)
-    static = dict(target_def=target_def, draft_def=draft_def, feature_layers=tuple(draft.cfg.target_layer_ids))
+    static = dict(
+        target_def=target_def,
+        draft_def=draft_def,
+        sampling=_any_sampling(requests),
+        feature_layers=tuple(draft.cfg.target_layer_ids),
+    )
     state = _start(
         target_state,
         draft_state,
@@ -393,7 +413,7 @@ def speculative_generate(
     rounds = 0
     # Each round commits >= 1 token per active request, so max_new rounds always suffice.
     while not bool(jnp.all(state.done)) and rounds < int(max_new.max()):
-        state = _round(target_state, draft_state, state, requests, fold_sampling=fold, **static)
+        state = _round(target_state, draft_state, state, requests, **static)
         rounds += 1
     return _result(state, max_new, requests, rounds, started)
 
@@ -441,13 +461,13 @@ class _PlainState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "capacity", "out_len"))
-def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, capacity, out_len) -> _PlainState:
+@functools.partial(jax.jit, static_argnames=("target_def", "capacity", "out_len", "sampling"))
+def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, capacity, out_len, sampling):
     target = nnx.merge(target_def, target_state)
     b = tokens.shape[0]
     last_logits, _, cache = _prefill_target(target, tokens, lengths, capacity, ())
     key, k_first = jax.random.split(key)
-    first = sample_tokens(last_logits, requests.temperatures, requests.top_k, requests.top_p, k_first)
+    first = _pick(last_logits, requests, k_first, sampling)
     out, n_out, done = _emit(
         jnp.zeros((b, out_len), jnp.int32),
         jnp.zeros((b,), jnp.int32),
@@ -459,15 +479,15 @@ def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, ca
     return _PlainState(cache=cache, next_pos=lengths, last=first, done=done, out=out, n_out=n_out, key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def",), donate_argnames=("state",))
-def _plain_step(target_state, state: _PlainState, requests, *, target_def) -> _PlainState:
+@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
+def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling) -> _PlainState:
     target = nnx.merge(target_def, target_state)
     active = ~state.done
     logits, _, cache = target(
         state.last[:, None], state.next_pos[:, None], state.cache, valid=active[:, None], feature_layers=()
     )
     key, k_tok = jax.random.split(state.key)
-    tok = sample_tokens(logits[:, 0], requests.temperatures, requests.top_k, requests.top_p, k_tok)
+    tok = _pick(logits[:, 0], requests, k_tok, sampling)
     out, n_out, done = _emit(state.out, state.n_out, tok[:, None], active.astype(jnp.int32), state.done, requests)
     return _PlainState(
         cache=cache,
@@ -505,6 +525,7 @@ def generate(
     _check_key(key)
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, 1)
+    sampling = _any_sampling(requests)
     target_def, target_state = nnx.split(target)
     state = _plain_start(
         target_state,
@@ -515,10 +536,11 @@ def generate(
         target_def=target_def,
         capacity=capacity,
         out_len=_bucket(int(max_new.max()) + 1),
+        sampling=sampling,
     )
     steps = 0
     while not bool(jnp.all(state.done)) and steps < int(max_new.max()):
-        state = _plain_step(target_state, state, requests, target_def=target_def)
+        state = _plain_step(target_state, state, requests, target_def=target_def, sampling=sampling)
         steps += 1
     tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
     return GenerationResult(

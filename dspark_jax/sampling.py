@@ -116,7 +116,7 @@ def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
 
 
 def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
-    """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or temperature 0."""
+    """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or temperature 0 (or below)."""
     return (jnp.asarray(top_k) <= 1) | (jnp.asarray(temperatures) <= 0)
 
 

@@ -114,7 +114,7 @@ def test_accept_matches_per_row_reference_with_fixed_noise():
     u = rng.random((b, gamma)).astype(np.float32)
     e = rng.exponential(size=(b, v)).astype(np.float32)
 
-    n, bonus = accept_with_noise(
+    n, bonus = jax.jit(accept_with_noise)(
         jnp.asarray(logits, jnp.float32),
         _block(drafts, corrected, greedy, temps),
         top_k=jnp.asarray(ks, jnp.int32),
@@ -139,9 +139,10 @@ def test_accept_matches_per_row_reference_with_fixed_noise():
 def test_greedy_only_block_without_corrected_logits():
     logits = jnp.asarray([[[0.0, 3.0, 3.0], [5.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])  # ties go to id 1
     block = _block(np.array([[1, 0]]), np.zeros((1, 2, 0)), np.array([True]), np.array([0.0]))
-    n, bonus = accept(logits, block, top_k=jnp.asarray([1]), top_p=jnp.asarray([1.0]), key=jax.random.key(0))
+    run = jax.jit(accept)
+    n, bonus = run(logits, block, top_k=jnp.asarray([1]), top_p=jnp.asarray([1.0]), key=jax.random.key(0))
     assert (int(n[0]), int(bonus[0])) == (2, 2)
-    capped = accept(
+    capped = run(
         logits,
         block,
         top_k=jnp.asarray([1]),

@@ -48,11 +48,12 @@ def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
     save_draft(draft, tmp_path / "draft")
 
     argv = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
-    argv += ["--prompt", "the cat", "--max-new-tokens", "6", "--compare", "--no-stop"]
+    argv += ["--prompt", "the cat", "--prompt", "a rat", "--max-new-tokens", "6", "--no-stop"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("--- 'the cat'\nthe cat")
     assert re.search(r"tau \(committed tokens per round\): \d+\.\d+", out)
     assert re.search(r"acceptance by draft position: (\d\.\d\d ?){3}\n", out)
-    assert "greedy outputs identical to plain decoding: True" in out
-    assert re.search(r"tokens/s \(compiled\): speculative [\d.]+, plain [\d.]+", out)
+    assert "\n--- 'a rat'\na rat" in out
+    assert re.search(r"tau per request: \d+\.\d\d, \d+\.\d\d\n", out)
+    assert re.search(r"rounds: \d+, new tokens: 12\n", out)

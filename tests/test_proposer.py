@@ -32,7 +32,7 @@ def forced():
     """A precompiled FORCE proposer (buckets 1, 2, 4) over a 5-slot cache."""
     draft = random_draft(tiny_config(**CFG), seed=0)
     proposer = Proposer(draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force")
-    proposer.precompile()
+    proposer.precompile(workers=2)  # also exercises the concurrent compile path
     return draft, proposer, make_cache(draft)
 
 

@@ -1,0 +1,263 @@
+"""The draft and target trainers, the corpus, and the loss against NumPy references."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.corpus import is_held_out, list_stdlib_files, load_corpus
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.train import (
+    DraftTrainConfig,
+    block_loss_terms,
+    check_draft_fits,
+    default_draft_config,
+    draft_blocks,
+    draft_loss,
+    lr_schedule,
+    train_draft,
+)
+from dspark_jax.train_target import TargetTrainConfig, train_target
+
+VOCAB = 32
+MASK = VOCAB - 1
+
+
+def _stream(n: int, seed: int = 0) -> np.ndarray:
+    """A learnable token stream: mostly a fixed successor table, sometimes a random token."""
+    rng = np.random.default_rng(seed)
+    succ = rng.permutation(VOCAB - 1)
+    out = np.zeros(n, np.int64)
+    for i in range(1, n):
+        out[i] = succ[out[i - 1]] if rng.random() < 0.8 else rng.integers(0, VOCAB - 1)
+    return out
+
+
+TOKENS = _stream(6000)
+TARGET_CFG = TargetConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+DRAFT_CFG = default_draft_config(TARGET_CFG, mask_token_id=MASK, gamma=4, markov_rank=8, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny target trained for a few steps, so its distributions are peaked and worth copying."""
+    result = train_target(
+        TARGET_CFG, TOKENS, TargetTrainConfig(steps=60, batch_size=8, seq_len=32, lr=1e-2), progress=False
+    )
+    losses = result.history["loss"]
+    assert losses[-1] < losses[0] - 0.5, losses  # the target learned the successor table
+    return result.model
+
+
+def _tcfg(**kw):
+    base = dict(steps=50, batch_size=4, seq_len=24, anchors_per_seq=6, lr=3e-3, log_every=1)
+    base.update(kw)
+    return DraftTrainConfig(**base)
+
+
+# --------------------------------------------------------------------------- loss terms
+def test_loss_terms_match_numpy_reference():
+    rng = np.random.default_rng(0)
+    n, g, v = 3, 4, 11
+    corrected = rng.normal(size=(n, g, v)).astype(np.float32) * 2
+    tlogits = rng.normal(size=(n, g, v)).astype(np.float32) * 2
+    gold = rng.integers(0, v, size=(n, g))
+    conf = rng.normal(size=(n, g)).astype(np.float32)
+    terms = block_loss_terms(jnp.asarray(corrected), jnp.asarray(tlogits), jnp.asarray(gold), jnp.asarray(conf))
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    q, p = softmax(corrected.astype(np.float64)), softmax(tlogits.astype(np.float64))
+    ce = -np.log(np.take_along_axis(q, gold[..., None], -1)[..., 0])
+    tv = np.abs(q - p).sum(-1)
+    label = np.clip(1 - 0.5 * tv, 0, 1)
+    sig = 1 / (1 + np.exp(-conf.astype(np.float64)))
+    bce = -(label * np.log(sig) + (1 - label) * np.log(1 - sig))
+    np.testing.assert_allclose(terms["ce"], ce, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(terms["tv"], tv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(terms["bce"], bce, rtol=1e-5, atol=1e-5)
+
+
+def test_total_loss_uses_the_deepspec_weights(target):
+    draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(1), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    tcfg = _tcfg()
+    tokens = jnp.asarray(TOKENS[:48].reshape(2, 24), jnp.int32)
+    anchors = jnp.asarray([[1, 5, 10], [3, 7, 19]], jnp.int32)
+    loss, metrics = draft_loss(draft, target, tokens, anchors, tcfg)
+    blocks = draft_blocks(draft, target, tokens, anchors)
+    terms = block_loss_terms(blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks["confidence_logits"])
+    w = np.exp(-np.arange(4) / 4.0)
+    w = w / w.sum()
+    mean = {k: float(np.mean(np.sum(np.asarray(v) * w, -1))) for k, v in terms.items()}
+    np.testing.assert_allclose(float(loss), 0.1 * mean["ce"] + 0.9 * mean["tv"] + mean["bce"], rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["tv"]), mean["tv"], rtol=1e-5)
+
+
+def test_masked_training_blocks_match_a_draft_that_sees_only_the_prefix(target):
+    """Each anchor's block must see exactly the target features of positions < anchor."""
+    draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(2), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    tokens = jnp.asarray(TOKENS[100:124][None], jnp.int32)  # [1, 24]
+    anchors = [3, 11, 18]
+    blocks = draft_blocks(draft, target, tokens, jnp.asarray([anchors], jnp.int32))
+    full_logits, _, _ = target(tokens, jnp.arange(24)[None], target.init_cache(1, 24))
+    for i, a in enumerate(anchors):
+        # Independent path: target features of the prefix only, fed as the whole context.
+        prefix = tokens[:, :a]
+        _, feats, _ = target(
+            prefix, jnp.arange(a)[None], target.init_cache(1, a), feature_layers=DRAFT_CFG.target_layer_ids
+        )
+        ctx_k, ctx_v = draft.context_kv(feats, jnp.arange(a)[None])
+        bonus = tokens[:, a]
+        hidden = draft(
+            draft.block_ids(bonus),
+            positions=draft.block_positions(jnp.asarray([a])),
+            ctx_k=ctx_k,
+            ctx_v=ctx_v,
+            ctx_mask=jnp.ones((1, a), bool),
+        )
+        prev = tokens[:, a : a + 4]
+        want = draft.corrected_logits(draft.slots(hidden), prev)[0]
+        np.testing.assert_allclose(blocks["corrected"][i], want, rtol=2e-4, atol=2e-4)
+        np.testing.assert_array_equal(blocks["gold"][i], np.asarray(tokens[0, a + 1 : a + 5]))
+        np.testing.assert_allclose(blocks["target_logits"][i], full_logits[0, a : a + 4], rtol=1e-5, atol=1e-5)
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    sched = lr_schedule(1000, 6e-4, 0.04)
+    assert float(sched(0)) == 0.0
+    np.testing.assert_allclose(float(sched(40)), 6e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(sched(20)), 3e-4, rtol=1e-6)
+    # cosine: halfway through the decay the rate is half the peak
+    np.testing.assert_allclose(float(sched(520)), 3e-4, rtol=1e-3)
+    assert float(sched(1000)) < 1e-9
+
+
+# --------------------------------------------------------------------------- training
+def test_fifty_steps_lower_every_loss_term(target):
+    result = train_draft(target, DRAFT_CFG, TOKENS, _tcfg(), progress=False)
+    for name in ("ce", "tv", "bce", "loss"):
+        first, last = np.mean(result.history[name][:10]), np.mean(result.history[name][-10:])
+        assert last < first, f"{name}: first-10 mean {first:.4f}, last-10 mean {last:.4f}"
+    # Borrowed tables are not trained.
+    np.testing.assert_array_equal(result.model.embed_tokens[...], target.embed_tokens)
+
+
+def test_resume_reproduces_the_uninterrupted_run(target, tmp_path):
+    tcfg = _tcfg(steps=8, checkpoint_every=0)
+    straight = train_draft(target, DRAFT_CFG, TOKENS, tcfg, progress=False)
+    ckpt = os.fspath(tmp_path / "ckpt")
+    first = train_draft(target, DRAFT_CFG, TOKENS, tcfg, checkpoint_dir=ckpt, stop_at=3, progress=False)
+    assert first.step == 3
+    resumed = train_draft(target, DRAFT_CFG, TOKENS, tcfg, checkpoint_dir=ckpt, resume=True, progress=False)
+    assert resumed.step == 8
+    np.testing.assert_allclose(resumed.history["loss"], straight.history["loss"][3:], rtol=1e-6, atol=1e-6)
+    a = jax.tree.leaves(nnx.state(straight.model, nnx.Param))
+    b = jax.tree.leaves(nnx.state(resumed.model, nnx.Param))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(target, tmp_path):
+    ckpt = os.fspath(tmp_path / "ckpt")
+    train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=4), checkpoint_dir=ckpt, stop_at=1, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=5), checkpoint_dir=ckpt, resume=True, progress=False)
+
+
+# --------------------------------------------------------------------------- bad input
+def test_draft_with_another_hidden_size_is_refused():
+    import dataclasses
+
+    bad = dataclasses.replace(DRAFT_CFG, hidden_size=48, head_dim=24)
+    with pytest.raises(ValueError, match="hidden_size=48"):
+        check_draft_fits(bad, TARGET_CFG, 24)
+
+
+def test_draft_reading_layers_the_target_lacks_is_refused():
+    import dataclasses
+
+    bad = dataclasses.replace(DRAFT_CFG, target_layer_ids=(0, 5), num_target_layers=None)
+    with pytest.raises(ValueError, match="num_hidden_layers=2"):
+        check_draft_fits(bad, TARGET_CFG, 24)
+
+
+def test_empty_corpus_and_short_sequences_are_refused(target):
+    with pytest.raises(ValueError, match="empty"):
+        train_draft(target, DRAFT_CFG, np.zeros(0, np.int32), _tcfg(), progress=False)
+    with pytest.raises(ValueError, match="shorter than a block"):
+        train_draft(target, DRAFT_CFG, TOKENS, _tcfg(seq_len=5), progress=False)
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        train_draft(target, DRAFT_CFG, TOKENS[:10], _tcfg(), progress=False)
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_draft(target, DRAFT_CFG, TOKENS + VOCAB, _tcfg(), progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        _tcfg(steps=0)
+
+
+# --------------------------------------------------------------------------- corpus
+def _fake_stdlib(root):
+    files = {
+        "os.py": "import sys\n",
+        "json/__init__.py": '"""JSON."""\n',
+        "json/tests/test_x.py": "x = 1\n",
+        "test/test_os.py": "y = 2\n",
+        "site-packages/pkg/mod.py": "z = 3\n",
+        "__pycache__/os.cpython-311.pyc": "",
+        "config-3.11-x86_64-linux-gnu/python-config.py": "",
+        "_sysconfigdata__linux.py": "",
+        "README.txt": "not python\n",
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_corpus_lists_sources_without_tests_or_packages(tmp_path):
+    _fake_stdlib(tmp_path)
+    assert list_stdlib_files(tmp_path) == ["json/__init__.py", "os.py"]
+
+
+def test_held_out_split_depends_only_on_the_relative_path(tmp_path):
+    _fake_stdlib(tmp_path)
+    corpus = load_corpus(tmp_path, held_out_percent=50)
+    assert set(corpus.train_files).isdisjoint(corpus.heldout_files)
+    assert sorted(corpus.train_files + corpus.heldout_files) == ["json/__init__.py", "os.py"]
+    for rel in corpus.heldout_files:
+        assert is_held_out(rel, 50)
+    # Over many names the held-out share is close to the asked percentage (binomial, 3 sigma).
+    names = [f"pkg{i}/mod{i}.py" for i in range(4000)]
+    share = np.mean([is_held_out(n, 10) for n in names])
+    assert abs(share - 0.10) < 3 * np.sqrt(0.1 * 0.9 / 4000)
+
+
+def test_corpus_provenance_records_version_and_hashes(tmp_path):
+    import platform
+
+    _fake_stdlib(tmp_path)
+    info = load_corpus(tmp_path, held_out_percent=50).provenance()
+    assert info["python_version"] == platform.python_version()
+    assert info["train"]["files"] + info["heldout"]["files"] == 2
+    assert len(info["train"]["file_list_sha256"]) == 64
+
+
+def test_the_real_standard_library_corpus_is_found():
+    corpus = load_corpus()
+    assert len(corpus.train_files) > 100 and len(corpus.heldout_files) > 10
+    assert not any("/test/" in f or f.startswith("test/") for f in corpus.train_files)
