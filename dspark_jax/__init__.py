@@ -80,6 +80,27 @@ _EXPORTS = {
     "prefill": "dspark_jax.commit",
     "speculative_generate": "dspark_jax.generate",
     "GenerationResult": "dspark_jax.generate",
+    # tokenizer, corpus, training, evaluation, bundled pair (issue 5). The target trainer's
+    # train_target shares its module's name: import it from dspark_jax.train_target.
+    "Tokenizer": "dspark_jax.tokenizer",
+    "train_bpe": "dspark_jax.tokenizer",
+    "load_tokenizer": "dspark_jax.tokenizer",
+    "Corpus": "dspark_jax.corpus",
+    "load_corpus": "dspark_jax.corpus",
+    "encode_documents": "dspark_jax.corpus",
+    "DraftTrainConfig": "dspark_jax.train",
+    "TrainResult": "dspark_jax.train",
+    "train_draft": "dspark_jax.train",
+    "draft_loss": "dspark_jax.train",
+    "evaluate_draft": "dspark_jax.train",
+    "distillation_data": "dspark_jax.train",
+    "default_draft_config": "dspark_jax.train",
+    "check_draft_fits": "dspark_jax.train",
+    "TargetTrainConfig": "dspark_jax.train_target",
+    "measure_tau": "dspark_jax.evaluate",
+    "compare_drafts": "dspark_jax.evaluate",
+    "heldout_prompts": "dspark_jax.evaluate",
+    "load_bundled": "dspark_jax.bundled",
 }
 
 

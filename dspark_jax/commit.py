@@ -12,14 +12,19 @@ written. :func:`prefill` writes a prompt's features the same way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.cache import ContextCache, fill_context
 
+if TYPE_CHECKING:
+    from dspark_jax.draft import DSparkDraft
+
 
 def commit(
-    draft,
+    draft: DSparkDraft,
     cache: ContextCache,
     features: jax.Array,
     prefix_lens: jax.Array,
@@ -48,7 +53,7 @@ def commit(
     return cache, prefix_lens.astype(jnp.int32) + count
 
 
-def prefill(draft, cache: ContextCache, features: jax.Array, lengths: jax.Array) -> ContextCache:
+def prefill(draft: DSparkDraft, cache: ContextCache, features: jax.Array, lengths: jax.Array) -> ContextCache:
     """Writes the prompt's context K/V at positions ``0..length−1``. Jittable.
 
     Args:

@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from dspark_jax.evaluate import DEFAULT_DRAFT, DEFAULT_TARGET
+from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 
 PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -31,8 +31,10 @@ def _timed(fn):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target folder with tokenizer.json (default: bundled)")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft checkpoint (default: bundled DSpark draft)")
+    parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
+    parser.add_argument(
+        "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
+    )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in)")
     parser.add_argument("--max-new", type=int, default=96, help="new tokens per prompt")
     parser.add_argument("--seed", type=int, default=0)

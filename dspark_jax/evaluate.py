@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,10 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-DEFAULT_TARGET = os.path.join(ASSETS, "target")
-DEFAULT_DRAFT = os.path.join(ASSETS, "dspark_draft")
-DEFAULT_BASELINE = os.path.join(ASSETS, "dflash_draft")
+from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 
 
 def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -146,11 +142,13 @@ def format_tables(results: dict[str, dict[float, dict[str, Any]]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target folder with tokenizer.json (default: bundled)")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft checkpoint (default: bundled DSpark draft)")
+    parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
+    parser.add_argument(
+        "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
+    )
     parser.add_argument(
         "--baseline-draft",
-        default=DEFAULT_BASELINE,
+        default=DRAFT_DIRS["dflash"],
         help="second draft for the ablation (default: bundled DFlash-style draft); 'none' to skip",
     )
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")

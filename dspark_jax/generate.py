@@ -34,9 +34,10 @@ from flax import nnx, struct
 from dspark_jax.accept import accept, sample_tokens
 from dspark_jax.cache import ContextCache, init_context_cache
 from dspark_jax.commit import commit, prefill
+from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
-from dspark_jax.sampling import TOP_K_ALL, greedy_step
-from dspark_jax.target import check_pair
+from dspark_jax.sampling import TOP_K_ALL, greedy_step, key_rows
+from dspark_jax.target import Target, check_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,22 +191,24 @@ def _capacity(capacity: int | None, lengths: np.ndarray, max_new: np.ndarray, ex
     return capacity
 
 
-def _check_key(key: Any) -> None:
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and key.shape == ()
-    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
-    if not (typed or raw):
-        raise TypeError(f"key={key!r} is invalid: expected one PRNG key (jax.random.key(seed) or PRNGKey(seed))")
+def _check_key(key: Any, batch: int) -> None:
+    """One PRNG key (typed or raw); the rounds split it, so per-row keys are refused."""
+    if key_rows(key, batch):
+        raise TypeError(f"key has shape {key.shape}: expected one PRNG key (jax.random.key(seed)), not one per row")
 
 
 # ------------------------------------------------------------------ shared pieces
-def _emit(state_out, n_out, tokens, count, done, requests):
-    """Appends ``tokens[b, :count[b]]`` to each row's output; returns ``(out, n_out, done)``."""
+def _emit(out, n_out, tokens, count, done, requests):
+    """Appends ``tokens[b, :count[b]]`` to each row's output ``out [B, N]``.
+
+    Returns ``(out, n_out, done)``; a row is done once it emitted a stop token or reached
+    its ``max_new_tokens``.
+    """
     b, t = tokens.shape
     j = jnp.arange(t, dtype=jnp.int32)
     written = j[None, :] < count[:, None]  # [B, T]
-    idx = jnp.where(written, n_out[:, None] + j[None, :], state_out.shape[1])
-    out = state_out.at[jnp.arange(b)[:, None], idx].set(tokens, mode="drop")
+    idx = jnp.where(written, n_out[:, None] + j[None, :], out.shape[1])  # past the end -> dropped
+    out = out.at[jnp.arange(b)[:, None], idx].set(tokens, mode="drop")
     n_out = n_out + count
     hit = (tokens[:, :, None] == requests.stop[:, None, :]) & written[:, :, None]  # [B, T, S]
     done = done | jnp.any(hit, axis=(1, 2)) | (n_out >= requests.max_new)
@@ -348,8 +351,8 @@ def _round(
 
 
 def speculative_generate(
-    target,
-    draft,
+    target: Target,
+    draft: DSparkDraft,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int | Sequence[int],
@@ -388,7 +391,7 @@ def speculative_generate(
     tokens, lengths, requests = _requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
-    _check_key(key)
+    _check_key(key, len(prompts))
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, gamma + 1)
     target_def, target_state = nnx.split(target)
@@ -501,7 +504,7 @@ def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampl
 
 
 def generate(
-    target,
+    target: Target,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int | Sequence[int],
@@ -522,7 +525,7 @@ def generate(
     tokens, lengths, requests = _requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
-    _check_key(key)
+    _check_key(key, len(prompts))
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, 1)
     sampling = _any_sampling(requests)

@@ -282,6 +282,9 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
             stored = tuple(reversed(want)) if transposed else want
             raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}: expected {stored}")
         variable.set_value(jnp.asarray(np.asarray(value), cfg.jnp_param_dtype))
+    unset = [leaf for leaf in jax.tree.leaves(nnx.state(target)) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unset:
+        raise ValueError(f"Qwen3Target has {len(unset)} parameters without a Hugging Face tensor name")
     return target
 
 

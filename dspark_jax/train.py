@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -206,11 +207,11 @@ def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: 
             f"draft vocab_size={draft_cfg.vocab_size} does not fit the target: must be <= the target's "
             f"vocab_size={target_cfg.vocab_size}"
         )
-    need = draft_cfg.num_query_rows + 1
+    need = draft_cfg.num_query_rows + 2
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < need:
         raise ValueError(
             f"seq_len={seq_len!r} is shorter than a block: need at least {need} tokens "
-            f"(a context token, the anchor and γ={draft_cfg.gamma} drafted tokens)"
+            f"(a context token, the {draft_cfg.num_query_rows} block rows and the last row's target)"
         )
     if seq_len > draft_cfg.max_position_embeddings or seq_len > target_cfg.max_position_embeddings:
         raise ValueError(
@@ -317,8 +318,21 @@ def draft_loss(
     return loss, {"loss": loss, **metrics}
 
 
-def make_draft_train_step(draft_graphdef, target_graphdef, optimizer, tcfg: DraftTrainConfig) -> Callable:
-    """The jitted step ``(params, rest, opt_state, target_state, tokens, anchors) -> (params, opt_state, metrics)``."""
+def draft_optimizer(tcfg: DraftTrainConfig) -> optax.GradientTransformation:
+    """The optimizer :func:`train_draft` uses for ``tcfg``."""
+    return make_optimizer(
+        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def make_draft_train_step(draft_graphdef, target_graphdef, tcfg: DraftTrainConfig) -> Callable:
+    """The jitted step ``(params, rest, opt_state, target_state, tokens, anchors) -> (params, opt_state, metrics)``.
+
+    Cached on its (hashable) arguments, so runs of the same models and settings in one
+    process, a resumed run for example, share one compilation.
+    """
+    optimizer = draft_optimizer(tcfg)
 
     def step(params, rest, opt_state, target_state, tokens, anchors):
         target = nnx.merge(target_graphdef, target_state)
@@ -493,10 +507,7 @@ def train_draft(
 
     draft = _new_draft(draft_cfg, target, tcfg.seed)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    optimizer = make_optimizer(
-        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
-    )
-    opt_state = optimizer.init(params)
+    opt_state = draft_optimizer(tcfg).init(params)
     start = 0
     run_meta = {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
     if resume:
@@ -505,7 +516,7 @@ def train_draft(
             raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
         start = meta["step"]
     tgraph, tstate = nnx.split(target)
-    step_fn = make_draft_train_step(graphdef, tgraph, optimizer, tcfg)
+    step_fn = make_draft_train_step(graphdef, tgraph, tcfg)
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
     rows = draft_cfg.num_query_rows

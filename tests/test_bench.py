@@ -20,7 +20,7 @@ def tiny_result(tmp_path_factory):
 def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     rows = tiny_result["propose"]
     seen = {(r["batch"], r["mode"], r["path"]) for r in rows}
-    assert (1, "greedy", "folded_greedy") in seen
+    assert (1, "greedy", "folded_greedy") in seen and (1, "greedy", "jit_static") in seen
     for mode in bench.MODES:
         for path in ("folded", "proposer", "eager"):
             assert (1, mode, path) in seen

@@ -94,13 +94,24 @@ def test_loss_terms_match_numpy_reference():
     np.testing.assert_allclose(terms["bce"], bce, rtol=1e-5, atol=1e-5)
 
 
+def _jit_with_models(fn, draft, target):
+    """``fn(draft, target, *args)`` compiled over the split models (eager tiny ops are slow)."""
+    dg, ds = nnx.split(draft)
+    tg, ts = nnx.split(target)
+    jitted = jax.jit(lambda ds, ts, *args: fn(nnx.merge(dg, ds), nnx.merge(tg, ts), *args))
+    return lambda *args: jitted(ds, ts, *args)
+
+
 def test_total_loss_uses_the_deepspec_weights(target):
     draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(1), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     tcfg = _tcfg()
+
+    def both(d, t, tokens, anchors):
+        return draft_loss(d, t, tokens, anchors, tcfg), draft_blocks(d, t, tokens, anchors)
+
     tokens = jnp.asarray(TOKENS[:48].reshape(2, 24), jnp.int32)
     anchors = jnp.asarray([[1, 5, 10], [3, 7, 19]], jnp.int32)
-    loss, metrics = draft_loss(draft, target, tokens, anchors, tcfg)
-    blocks = draft_blocks(draft, target, tokens, anchors)
+    (loss, metrics), blocks = _jit_with_models(both, draft, target)(tokens, anchors)
     terms = block_loss_terms(blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks["confidence_logits"])
     w = np.exp(-np.arange(4) / 4.0)
     w = w / w.sum()
@@ -113,29 +124,29 @@ def test_masked_training_blocks_match_a_draft_that_sees_only_the_prefix(target):
     """Each anchor's block must see exactly the target features of positions < anchor."""
     draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(2), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     tokens = jnp.asarray(TOKENS[100:124][None], jnp.int32)  # [1, 24]
-    anchors = [3, 11, 18]
-    blocks = draft_blocks(draft, target, tokens, jnp.asarray([anchors], jnp.int32))
-    full_logits, _, _ = target(tokens, jnp.arange(24)[None], target.init_cache(1, 24))
+    anchors = [3, 18]
+    blocks = _jit_with_models(draft_blocks, draft, target)(tokens, jnp.asarray([anchors], jnp.int32))
     for i, a in enumerate(anchors):
-        # Independent path: target features of the prefix only, fed as the whole context.
-        prefix = tokens[:, :a]
-        _, feats, _ = target(
-            prefix, jnp.arange(a)[None], target.init_cache(1, a), feature_layers=DRAFT_CFG.target_layer_ids
-        )
-        ctx_k, ctx_v = draft.context_kv(feats, jnp.arange(a)[None])
-        bonus = tokens[:, a]
-        hidden = draft(
-            draft.block_ids(bonus),
-            positions=draft.block_positions(jnp.asarray([a])),
-            ctx_k=ctx_k,
-            ctx_v=ctx_v,
-            ctx_mask=jnp.ones((1, a), bool),
-        )
-        prev = tokens[:, a : a + 4]
-        want = draft.corrected_logits(draft.slots(hidden), prev)[0]
+        # Independent path: the target runs the prefix alone, whose features are the whole context.
+        def reference(d, t, tokens, a=a):
+            _, feats, _ = t(
+                tokens[:, :a], jnp.arange(a)[None], t.init_cache(1, a), feature_layers=DRAFT_CFG.target_layer_ids
+            )
+            ctx_k, ctx_v = d.context_kv(feats, jnp.arange(a)[None])
+            hidden = d(
+                d.block_ids(tokens[:, a]),
+                positions=d.block_positions(jnp.asarray([a])),
+                ctx_k=ctx_k,
+                ctx_v=ctx_v,
+                ctx_mask=jnp.ones((1, a), bool),
+            )
+            full_logits, _, _ = t(tokens, jnp.arange(24)[None], t.init_cache(1, 24))
+            return d.corrected_logits(d.slots(hidden), tokens[:, a : a + 4])[0], full_logits[0, a : a + 4]
+
+        want, want_target = _jit_with_models(reference, draft, target)(tokens)
         np.testing.assert_allclose(blocks["corrected"][i], want, rtol=2e-4, atol=2e-4)
         np.testing.assert_array_equal(blocks["gold"][i], np.asarray(tokens[0, a + 1 : a + 5]))
-        np.testing.assert_allclose(blocks["target_logits"][i], full_logits[0, a : a + 4], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(blocks["target_logits"][i], want_target, rtol=1e-5, atol=1e-5)
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():
@@ -159,7 +170,7 @@ def test_fifty_steps_lower_every_loss_term(target):
 
 
 def test_resume_reproduces_the_uninterrupted_run(target, tmp_path):
-    tcfg = _tcfg(steps=8, checkpoint_every=0)
+    tcfg = _tcfg(steps=8)
     straight = train_draft(target, DRAFT_CFG, TOKENS, tcfg, progress=False)
     ckpt = os.fspath(tmp_path / "ckpt")
     first = train_draft(target, DRAFT_CFG, TOKENS, tcfg, checkpoint_dir=ckpt, stop_at=3, progress=False)
@@ -175,9 +186,10 @@ def test_resume_reproduces_the_uninterrupted_run(target, tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_other_settings(target, tmp_path):
     ckpt = os.fspath(tmp_path / "ckpt")
-    train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=4), checkpoint_dir=ckpt, stop_at=1, progress=False)
+    # Same settings as the resume test above, so the compiled step is shared.
+    train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=8), checkpoint_dir=ckpt, stop_at=1, progress=False)
     with pytest.raises(ValueError, match="other settings"):
-        train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=5), checkpoint_dir=ckpt, resume=True, progress=False)
+        train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=9), checkpoint_dir=ckpt, resume=True, progress=False)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds the bundled pair from scratch: tokenizer + target, then the DSpark draft and the
-# DFlash-style draft (trained the same way, in parallel on one GPU), then the held-out eval.
+# DFlash-style draft (trained the same way, in parallel on one GPU, each on the corpus plus
+# 8192 sequences the target generated itself), then the held-out eval.
 #
 #   PYTHONPATH=. bash dspark_jax/assets/build_assets.sh OUT_DIR
 #
@@ -12,13 +13,15 @@ OUT=${1:?usage: build_assets.sh OUT_DIR}
 PY=${PYTHON:-python3}
 TARGET_STEPS=${TARGET_STEPS:-2500}
 TARGET_BATCH=${TARGET_BATCH:-64}
-DRAFT_STEPS=${DRAFT_STEPS:-3000}
+DRAFT_STEPS=${DRAFT_STEPS:-4500}
 DRAFT_BATCH=${DRAFT_BATCH:-32}
 DRAFT_ANCHORS=${DRAFT_ANCHORS:-64}
 SEQ_LEN=${SEQ_LEN:-256}
-TARGET_SECONDS=${TARGET_SECONDS:-90}
-DRAFT_SECONDS=${DRAFT_SECONDS:-150}
-EVAL_PROMPTS=${EVAL_PROMPTS:-32}
+DRAFT_LR=${DRAFT_LR:-1e-3}
+DISTILL=${DISTILL:-8192}
+TARGET_SECONDS=${TARGET_SECONDS:-80}
+DRAFT_SECONDS=${DRAFT_SECONDS:-95}
+EVAL_PROMPTS=${EVAL_PROMPTS:-64}
 EVAL_NEW=${EVAL_NEW:-128}
 mkdir -p "$OUT"
 
@@ -70,8 +73,8 @@ PYEOF
 # Two processes share the GPU: cap each one's memory pool.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.4}
 DRAFT_ARGS=(--target "$OUT/target" --steps "$DRAFT_STEPS" --batch "$DRAFT_BATCH" --anchors "$DRAFT_ANCHORS"
-  --seq-len "$SEQ_LEN" --gamma 7 --layers 2 --max-seconds "$DRAFT_SECONDS")
-$PY -m dspark_jax.cli train-draft "${DRAFT_ARGS[@]}" --out "$OUT/dspark_draft" --markov-rank 64 \
+  --seq-len "$SEQ_LEN" --gamma 7 --layers 2 --lr "$DRAFT_LR" --distill "$DISTILL" --max-seconds "$DRAFT_SECONDS")
+$PY -m dspark_jax.cli train-draft "${DRAFT_ARGS[@]}" --out "$OUT/dspark_draft" --markov-rank 128 \
   >"$OUT/dspark_draft.log" 2>&1 &
 DSPARK=$!
 $PY -m dspark_jax.cli train-draft "${DRAFT_ARGS[@]}" --out "$OUT/dflash_draft" --markov-rank 0 \

@@ -1,0 +1,16 @@
+"""``dspark-jax demo`` runs on the bundled pair and reports τ > 1."""
+
+import re
+
+from dspark_jax.cli import main
+
+
+def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
+    assert main(["demo", "--max-new", "24"]) == 0
+    out = capsys.readouterr().out
+    taus = {m.group(1): float(m.group(2)) for m in re.finditer(r"^τ \((greedy|temperature 1)\) = ([0-9.]+)", out, re.M)}
+    assert set(taus) == {"greedy", "temperature 1"}, out
+    assert all(t > 1.0 for t in taus.values()), taus
+    assert "greedy output identical to plain decoding: yes" in out
+    assert len(re.findall(r"^acceptance by position 1\.\.7: ", out, re.M)) == 2
+    assert len(re.findall(r"^speed: .* ratio [0-9.]+×", out, re.M)) == 2
