@@ -8,8 +8,10 @@ prefill, draft context prefill, the first target token) and then ONE compiled ca
 round: propose ``d_1 … d_γ`` from the bonus, verify ``[bonus, d_1 … d_γ]`` with the
 target, accept, and commit the accepted positions into the draft context cache, all
 inside one ``jax.jit`` with the decode state (both caches) donated. The Python loop
-between rounds only reads the ``[B]`` done flags. :func:`generate` (the baseline) runs
-one compiled call to start and one per token.
+between rounds only reads the ``[B]`` done flags. With ``device_loop=True`` the rounds run
+in a ``lax.while_loop`` instead: two compiled calls for the whole generation.
+:func:`generate` (the baseline) runs one compiled call to start and one per token (or
+one ``while_loop`` for all tokens with ``device_loop=True``).
 
 Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
 when ``top_k <= 1`` or its temperature is 0. Finished requests stop changing: their
@@ -288,25 +290,10 @@ def _start(
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("target_def", "draft_def", "sampling", "feature_layers"),
-    donate_argnames=("state",),
-)
-def _round(
-    target_state,
-    draft_state,
-    state: DecodeState,
-    requests: Requests,
-    *,
-    target_def,
-    draft_def,
-    sampling: bool,
-    feature_layers: tuple[int, ...],
+def _round_step(
+    target, draft: DSparkDraft, state: DecodeState, requests: Requests, *, sampling: bool, feature_layers
 ) -> DecodeState:
-    """Propose + verify + accept + commit, one compiled call."""
-    target = nnx.merge(target_def, target_state)
-    draft = nnx.merge(draft_def, draft_state)
+    """One round on merged modules: propose, verify, accept, commit, emit (traced)."""
     active = ~state.done  # [B]
     key, k_prop, k_accept = jax.random.split(state.key, 3)
     block = propose_with(
@@ -350,6 +337,54 @@ def _round(
     )
 
 
+_ROUND_STATIC = ("target_def", "draft_def", "sampling", "feature_layers")
+
+
+@functools.partial(jax.jit, static_argnames=_ROUND_STATIC, donate_argnames=("state",))
+def _round(
+    target_state,
+    draft_state,
+    state: DecodeState,
+    requests: Requests,
+    *,
+    target_def,
+    draft_def,
+    sampling,
+    feature_layers,
+) -> DecodeState:
+    """One round, one compiled call (the host loop reads the done flags in between)."""
+    target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+    return _round_step(target, draft, state, requests, sampling=sampling, feature_layers=feature_layers)
+
+
+@functools.partial(jax.jit, static_argnames=_ROUND_STATIC, donate_argnames=("state",))
+def _all_rounds(
+    target_state,
+    draft_state,
+    state: DecodeState,
+    requests: Requests,
+    max_rounds: jax.Array,
+    *,
+    target_def,
+    draft_def,
+    sampling,
+    feature_layers,
+) -> tuple[DecodeState, jax.Array]:
+    """Every round in one compiled call: a ``while_loop`` until all rows are done."""
+    target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+
+    def cond(carry):
+        state, rounds = carry
+        return (rounds < max_rounds) & ~jnp.all(state.done)
+
+    def body(carry):
+        state, rounds = carry
+        state = _round_step(target, draft, state, requests, sampling=sampling, feature_layers=feature_layers)
+        return state, rounds + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+
+
 def speculative_generate(
     target: Target,
     draft: DSparkDraft,
@@ -362,6 +397,7 @@ def speculative_generate(
     stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
     key: jax.Array,
     capacity: int | None = None,
+    device_loop: bool = False,
 ) -> GenerationResult:
     """Generates with the draft proposing and the target verifying; output is the target's.
 
@@ -378,6 +414,8 @@ def speculative_generate(
       key: one PRNG key (used only by sampling requests).
       capacity: cache positions per request; default prompt + max_new_tokens + γ + 1,
         rounded up.
+      device_loop: run all rounds inside one compiled ``while_loop`` (no host sync per
+        round) instead of one compiled call per round from a Python loop. Same tokens.
 
     Returns:
       A :class:`GenerationResult`.
@@ -413,9 +451,13 @@ def speculative_generate(
         out_len=_bucket(int(max_new.max()) + gamma + 1),
         **static,
     )
-    rounds = 0
     # Each round commits >= 1 token per active request, so max_new rounds always suffice.
-    while not bool(jnp.all(state.done)) and rounds < int(max_new.max()):
+    max_rounds = int(max_new.max())
+    if device_loop:
+        state, rounds = _all_rounds(target_state, draft_state, state, requests, jnp.int32(max_rounds), **static)
+        return _result(state, max_new, requests, int(rounds), started)
+    rounds = 0
+    while not bool(jnp.all(state.done)) and rounds < max_rounds:
         state = _round(target_state, draft_state, state, requests, **static)
         rounds += 1
     return _result(state, max_new, requests, rounds, started)
@@ -482,9 +524,8 @@ def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, ca
     return _PlainState(cache=cache, next_pos=lengths, last=first, done=done, out=out, n_out=n_out, key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
-def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling) -> _PlainState:
-    target = nnx.merge(target_def, target_state)
+def _plain_token(target, state: _PlainState, requests: Requests, sampling: bool) -> _PlainState:
+    """One decode step on the merged target (traced)."""
     active = ~state.done
     logits, _, cache = target(
         state.last[:, None], state.next_pos[:, None], state.cache, valid=active[:, None], feature_layers=()
@@ -503,6 +544,26 @@ def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampl
     )
 
 
+@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
+def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling) -> _PlainState:
+    return _plain_token(nnx.merge(target_def, target_state), state, requests, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
+def _plain_all_steps(target_state, state: _PlainState, requests, max_steps, *, target_def, sampling):
+    target = nnx.merge(target_def, target_state)
+
+    def cond(carry):
+        state, steps = carry
+        return (steps < max_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        state, steps = carry
+        return _plain_token(target, state, requests, sampling), steps + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+
+
 def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
@@ -514,12 +575,14 @@ def generate(
     stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
     key: jax.Array,
     capacity: int | None = None,
+    device_loop: bool = False,
 ) -> GenerationResult:
     """Plain autoregressive decoding with the target alone (the baseline).
 
     Same arguments and sampling semantics as :func:`speculative_generate` (so greedy
     outputs compare token for token); ``rounds`` counts decode steps after the first
-    token, ``tau`` is 1.
+    token, ``tau`` is 1. ``device_loop=True`` runs every step in one compiled
+    ``while_loop``.
     """
     started = time.perf_counter()
     tokens, lengths, requests = _requests(
@@ -541,10 +604,17 @@ def generate(
         out_len=_bucket(int(max_new.max()) + 1),
         sampling=sampling,
     )
-    steps = 0
-    while not bool(jnp.all(state.done)) and steps < int(max_new.max()):
-        state = _plain_step(target_state, state, requests, target_def=target_def, sampling=sampling)
-        steps += 1
+    max_steps = int(max_new.max())
+    if device_loop:
+        state, steps = _plain_all_steps(
+            target_state, state, requests, jnp.int32(max_steps), target_def=target_def, sampling=sampling
+        )
+        steps = int(steps)
+    else:
+        steps = 0
+        while not bool(jnp.all(state.done)) and steps < max_steps:
+            state = _plain_step(target_state, state, requests, target_def=target_def, sampling=sampling)
+            steps += 1
     tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
     return GenerationResult(
         tokens=tokens,

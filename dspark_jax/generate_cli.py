@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
     parser.add_argument("--compare", action="store_true", help="also time plain decoding with the target alone")
+    parser.add_argument(
+        "--device-loop", action="store_true", help="run all rounds in one compiled while_loop (no host sync per round)"
+    )
 
 
 def _eos_id(tokenizer) -> int | None:
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=stops,
         key=jax.random.key(args.seed),
     )
+    options["device_loop"] = args.device_loop
     spec = speculative_generate(target, draft, prompts, **options)
     for text, tokens in zip(args.prompt, spec.tokens, strict=True):
         print(f"--- {text!r}")

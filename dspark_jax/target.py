@@ -240,7 +240,8 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
       path: folder with ``config.json`` and ``model.safetensors`` (or shards listed in
         ``model.safetensors.index.json``).
       dtype: compute and parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
-        default: the checkpoint's ``torch_dtype`` when it is one of those, else float32.
+        default: the checkpoint's ``torch_dtype`` (or ``dtype``) when it is one of those,
+        else float32.
 
     Returns:
       The target with the checkpoint's weights.
@@ -249,12 +250,18 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
       ValueError: a tensor is missing, has the wrong shape, or is not part of the model.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"target path {path!r} is not a folder: expected a Hugging Face checkpoint folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"target path {path!r} has no config.json: expected a Hugging Face checkpoint folder")
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     if dtype is None:
-        dtype = hf.get("torch_dtype") if hf.get("torch_dtype") in DTYPES else "float32"
+        stored = hf.get("torch_dtype", hf.get("dtype"))
+        dtype = stored if stored in DTYPES else "float32"
+    if hf.get("rope_scaling"):
+        raise ValueError(
+            f"{path!r}: rope_scaling={hf['rope_scaling']!r} is not supported: the reference target implements "
+            "plain RoPE (rope_scaling null)"
+        )
     cfg = TargetConfig.from_hf_config(hf, dtype=dtype, param_dtype=dtype)
     # Build the module abstractly: no random initialisation of weights that get replaced.
     target = nnx.eval_shape(lambda: Qwen3Target(cfg, rngs=nnx.Rngs(0)))

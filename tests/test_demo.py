@@ -6,7 +6,7 @@ from dspark_jax.cli import main
 
 
 def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
-    assert main(["demo", "--max-new", "24"]) == 0
+    assert main(["demo", "--max-new", "16"]) == 0
     out = capsys.readouterr().out
     taus = {m.group(1): float(m.group(2)) for m in re.finditer(r"^τ \((greedy|temperature 1)\) = ([0-9.]+)", out, re.M)}
     assert set(taus) == {"greedy", "temperature 1"}, out

@@ -103,6 +103,10 @@ def greedy_setup():
     plain = generate(target, prompts, max_new_tokens=max_new.tolist(), key=jax.random.key(0), capacity=CAPACITY)
     for b in range(total):
         assert len(plain.tokens[b]) == max_new[b]
+    in_graph = generate(
+        target, prompts, max_new_tokens=max_new.tolist(), key=jax.random.key(0), capacity=CAPACITY, device_loop=True
+    )
+    assert in_graph.tokens == plain.tokens and in_graph.rounds == plain.rounds
     return target, bigram, prompts, max_new, plain.tokens
 
 
@@ -139,8 +143,15 @@ def test_early_stopping_request_leaves_the_others_unchanged(greedy_setup):
     draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
     batch = prompts[:8]
     temps = [0.0, 1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 1.3]
-    run = functools.partial(
-        speculative_generate, target, draft, batch, temperature=temps, key=jax.random.key(3), capacity=CAPACITY
+    run = functools.partial(  # the in-graph round loop (the other tests use the host loop)
+        speculative_generate,
+        target,
+        draft,
+        batch,
+        temperature=temps,
+        key=jax.random.key(3),
+        capacity=CAPACITY,
+        device_loop=True,
     )
     free = run(max_new_tokens=24)
     stop_1 = free.tokens[1][5]

@@ -48,7 +48,7 @@ def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
     save_draft(draft, tmp_path / "draft")
 
     argv = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
-    argv += ["--prompt", "the cat", "--prompt", "a rat", "--max-new-tokens", "6", "--no-stop"]
+    argv += ["--prompt", "the cat", "--prompt", "a rat", "--max-new-tokens", "6", "--no-stop", "--device-loop"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("--- 'the cat'\nthe cat")

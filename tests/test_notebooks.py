@@ -13,7 +13,7 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 FAST = {
     "quickstart.ipynb": {"MAX_NEW": 16},
     "speculative_generation.ipynb": {"MAX_NEW": 16},
-    "train_draft.ipynb": {"STEPS": 30, "FILES": 8},
+    "train_draft.ipynb": {"STEPS": 20, "FILES": 4},
 }
 # A name the last cell defines: the run reached the end.
 LAST = {"quickstart.ipynb": "positions", "speculative_generation.ipynb": "ablation", "train_draft.ipynb": "stats"}

@@ -256,10 +256,17 @@ def test_bad_checkpoints_raise_naming_the_tensor(tmp_path, edit, message):
         load_target(tmp_path)
 
 
-def test_missing_weights_file_raises(tmp_path):
+def test_missing_files_and_unsupported_config_raise(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_target(tmp_path)
+    hf = _cfg().to_hf_config()
     with open(tmp_path / "config.json", "w") as f:
-        json.dump(_cfg().to_hf_config(), f)
+        json.dump(hf, f)
     with pytest.raises(ValueError, match="neither model.safetensors"):
+        load_target(tmp_path)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, f)
+    with pytest.raises(ValueError, match="rope_scaling"):
         load_target(tmp_path)
 
 
