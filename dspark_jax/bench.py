@@ -157,7 +157,9 @@ def target_config(shapes: BenchShapes, num_layers: int | None = None) -> TargetC
 
 
 # --------------------------------------------------------------------------- inputs
-def build_draft(cfg: DraftConfig, seed: int = 0, *, embed_tokens=None, lm_head=None):
+def build_draft(
+    cfg: DraftConfig, seed: int = 0, *, embed_tokens: jax.Array | None = None, lm_head: jax.Array | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
     """A draft with random weights created on the default device.
 
     Returns:
@@ -167,7 +169,9 @@ def build_draft(cfg: DraftConfig, seed: int = 0, *, embed_tokens=None, lm_head=N
     return nnx.split(draft)
 
 
-def jit_split(fn: Callable[..., Any], graphdef: nnx.GraphDef, state: nnx.State, **jit_kwargs: Any):
+def jit_split(
+    fn: Callable[..., Any], graphdef: nnx.GraphDef, state: nnx.State, **jit_kwargs: Any
+) -> tuple[Callable[..., Any], list[jax.Array]]:
     """``jax.jit`` of ``fn(graphdef, state, *args)`` called as ``(leaves, *args)``.
 
     The graphdef is closed over and the state passed as a plain list of leaves. Passing an
@@ -494,14 +498,15 @@ def _memory_stat(name: str) -> int | None:
 
 
 # --------------------------------------------------------------------------- compile
-def _compile_worker(shapes: BenchShapes, max_batch: int, *, measure_memory: bool) -> dict[str, Any]:
+def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measure_memory: bool) -> dict[str, Any]:
     """Times :meth:`~dspark_jax.proposer.Proposer.precompile`; optionally measures peak memory.
 
     Runs in a fresh subprocess (see :func:`bench_compile`); the persistent compilation
-    cache directory comes from ``JAX_COMPILATION_CACHE_DIR``. Each (bucket, mode)
-    executable is built first on its own (timed), then ``precompile()`` adds what is
-    left (the gate's refinement and the unpadding slicers). Without ``measure_memory``
-    the draft is abstract (``nnx.eval_shape``), so only compilation is measured.
+    cache directory comes from ``JAX_COMPILATION_CACHE_DIR``. With one worker each
+    (bucket, mode) executable is first built on its own (timed), then ``precompile()``
+    adds what is left (the gate's refinement and the unpadding slicers); with more,
+    ``precompile(workers=...)`` is timed as a whole. Without ``measure_memory`` the draft
+    is abstract (``nnx.eval_shape``), so only compilation is measured.
 
     With ``measure_memory``, the draft has real random weights and, after
     ``precompile()``, one greedy and one all-sampling call at ``max_batch`` are run;
@@ -520,15 +525,16 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, measure_memory: bool
     proposer = Proposer(draft, max_batch=max_batch, capacity=capacity, folded_sampling="force")
     buckets = []
     t_all = time.perf_counter()
-    for bucket in proposer.buckets:
+    for bucket in proposer.buckets if workers == 1 else ():
         for sampling in (False, True):
             t0 = time.perf_counter()
             proposer._compile_folded(bucket, sampling)
             buckets.append({"batch": bucket, "fold_sampling": sampling, "seconds": time.perf_counter() - t0})
     t0 = time.perf_counter()
-    gate = proposer.precompile()
+    gate = proposer.precompile(workers=workers)
     rest = time.perf_counter() - t0
     out = {
+        "workers": workers,
         "buckets": buckets,
         "rest_seconds": rest,
         "total_seconds": time.perf_counter() - t_all,
@@ -553,16 +559,17 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, measure_memory: bool
     return out
 
 
-def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str) -> dict[str, Any]:
+def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str, workers: int = 1) -> dict[str, Any]:
     """Precompile time of every bucket and mode, cold and from the persistent cache.
 
     Runs :func:`_compile_worker` twice in fresh subprocesses sharing the persistent
     compilation cache ``cache_dir`` (empty at the start): the first run fills it, the
     second reads it and then measures peak memory against the gate's prediction.
+    ``workers`` programs compile at once (``Proposer.precompile(workers=...)``).
     """
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [sys.executable, "-m", "dspark_jax.bench", "--compile-worker", "--shapes", shapes.name]
-    cmd += ["--max-batch", str(max_batch)]
+    cmd += ["--max-batch", str(max_batch), "--compile-workers", str(workers)]
     out = {}
     for run, extra in (("cold", []), ("cached", ["--measure-memory"])):
         t0 = time.perf_counter()
@@ -797,14 +804,16 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for r in result.get("propose", []):
         key = (r["batch"], r["mode"])
-        graph = torch_rows.get((*key, "graph")) if r["path"] == "folded" else None
+        # PyTorch runs a greedy-only program for greedy batches, the full one otherwise.
+        paired = r["path"] == ("folded_greedy" if r["mode"] == "greedy" else "folded")
+        graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
             f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
             f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('floor_ms')):>7} "
             f"{r.get('floor_bound', '-'):<5} "
             f"{_fmt(r['median_ms'] / r['floor_ms'] if r.get('floor_ms') else None, '.2f'):>7} "
             f"{_fmt(r.get('floor_copy_ms')):>10} "
-            f"{_fmt(torch_rows.get((*key, 'eager')) if r['path'] == 'folded' else None):>11} "
+            f"{_fmt(torch_rows.get((*key, 'eager')) if paired else None):>11} "
             f"{_fmt(graph):>11} {_fmt(graph / r['median_ms'] if graph else None, '.2f'):>9}"
         )
     if "error" in result.get("torch", {}):
@@ -819,9 +828,10 @@ def format_table(result: dict[str, Any]) -> str:
                 per = ", ".join(
                     f"{b['batch']}{'s' if b['fold_sampling'] else 'g'} {b['seconds']:.1f}" for b in c["buckets"]
                 )
+                per = f"per bucket, s = sampling folded, g = greedy-only: {per}; the rest" if per else "precompile()"
                 lines.append(
-                    f"precompile ({run}): {c['total_seconds']:.1f} s (process {c['process_seconds']:.1f} s); "
-                    f"per bucket, s = sampling folded, g = greedy-only: {per}; slicers and gate {c['rest_seconds']:.1f}"
+                    f"precompile ({run}, {c.get('workers', 1)} worker(s)): {c['total_seconds']:.1f} s "
+                    f"(process {c['process_seconds']:.1f} s); {per} {c['rest_seconds']:.1f} s"
                 )
         mem = comp.get("cached", {}).get("memory")
         if mem and mem.get("sampling_extra_bytes") is not None:
@@ -834,13 +844,10 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{_fmt(_gb(gate['compiled_bytes']))} GB compiled"
             )
     for m in result.get("memory", []):
+        peaks = [v for k, v in m.items() if k.startswith("peak_after_") and v is not None]
         lines.append(
-            "memory batch {batch}: in use before {b} GB, peak after greedy-only {g} GB, after folded {f} GB".format(
-                batch=m["batch"],
-                b=_fmt(_gb(m.get("in_use_before_bytes")), ".2f"),
-                g=_fmt(_gb(m.get("peak_after_folded_greedy_bytes")), ".2f"),
-                f=_fmt(_gb(m.get("peak_after_folded_bytes")), ".2f"),
-            )
+            f"memory batch {m['batch']}: in use before {_fmt(_gb(m.get('in_use_before_bytes')), '.2f')} GB, "
+            f"device peak after it {_fmt(_gb(max(peaks)) if peaks else None, '.2f')} GB"
         )
     e2e = result.get("e2e")
     if e2e and "error" in e2e:
@@ -894,6 +901,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
     parser.add_argument("--max-batch", type=int, default=None, help="largest precompiled bucket (default max batch)")
+    parser.add_argument("--compile-workers", type=int, default=1, help="programs precompiled at once (default 1)")
     parser.add_argument("--profile", action="store_true", help="record device time per kernel (GPU)")
     parser.add_argument("--e2e", action="store_true", help="also run plain vs speculative decoding")
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
@@ -912,11 +920,18 @@ def run(args: argparse.Namespace) -> int:
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters
     eager_iters = max(2, iters // 10) if args.eager_iters is None else args.eager_iters
-    for name, value in (("--iters", iters), ("--max-batch", args.max_batch or 1)):
+    for name, value in (
+        ("--iters", iters),
+        ("--max-batch", args.max_batch or 1),
+        ("--compile-workers", args.compile_workers),
+    ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
     if args.compile_worker:
-        print(json.dumps(_compile_worker(shapes, args.max_batch or max(batches), measure_memory=args.measure_memory)))
+        worker = _compile_worker(
+            shapes, args.max_batch or max(batches), workers=args.compile_workers, measure_memory=args.measure_memory
+        )
+        print(json.dumps(worker))
         return 0
     result: dict[str, Any] = {
         "meta": {
@@ -937,7 +952,7 @@ def run(args: argparse.Namespace) -> int:
     previous = jax.config.jax_compilation_cache_dir
     try:
         if not args.no_compile:
-            result["compile"] = bench_compile(shapes, args.max_batch or max(batches), cache_dir)
+            result["compile"] = bench_compile(shapes, args.max_batch or max(batches), cache_dir, args.compile_workers)
             _save(args.out, result)
             # The timed programs below load what the compile runs stored.
             jax.config.update("jax_compilation_cache_dir", cache_dir)

@@ -4,9 +4,13 @@ import re
 
 from dspark_jax.cli import main
 
+# Two prompts and 16 new tokens: the same shapes as the notebooks' and the eval test's
+# generation calls, so the compiled rounds are shared within one test session.
+PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "import sys\n\n\ndef main(argv):\n"]
+
 
 def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
-    assert main(["demo", "--max-new", "16"]) == 0
+    assert main(["demo", "--max-new", "16", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]) == 0
     out = capsys.readouterr().out
     taus = {m.group(1): float(m.group(2)) for m in re.finditer(r"^τ \((greedy|temperature 1)\) = ([0-9.]+)", out, re.M)}
     assert set(taus) == {"greedy", "temperature 1"}, out
