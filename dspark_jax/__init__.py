@@ -66,22 +66,22 @@ _EXPORTS = {
     "KVCache": "dspark_jax.target",
     "Target": "dspark_jax.target",
     "Qwen3Target": "dspark_jax.target",
-    # target checkpoints, accept, commit, generation (issue 4). The functions accept, commit and
-    # generate share their module's name, so importing the module would shadow them here:
-    # import them from dspark_jax.accept / dspark_jax.commit / dspark_jax.generate.
+    # target checkpoints, verification, commit, generation (issue 4)
     "load_target": "dspark_jax.target",
     "save_target": "dspark_jax.target",
     "check_pair": "dspark_jax.target",
-    "accept_with_noise": "dspark_jax.accept",
-    "apply_top_k_top_p": "dspark_jax.accept",
-    "target_probs": "dspark_jax.accept",
-    "sample_tokens": "dspark_jax.accept",
-    "schedule_verify_lengths": "dspark_jax.accept",
-    "prefill": "dspark_jax.commit",
-    "speculative_generate": "dspark_jax.generate",
-    "GenerationResult": "dspark_jax.generate",
-    # tokenizer, corpus, training, evaluation, bundled pair (issue 5). The target trainer's
-    # train_target shares its module's name: import it from dspark_jax.train_target.
+    "accept": "dspark_jax.verification",
+    "accept_with_noise": "dspark_jax.verification",
+    "apply_top_k_top_p": "dspark_jax.verification",
+    "target_probs": "dspark_jax.verification",
+    "sample_tokens": "dspark_jax.verification",
+    "schedule_verify_lengths": "dspark_jax.verification",
+    "commit": "dspark_jax.cache",
+    "prefill": "dspark_jax.cache",
+    "generate": "dspark_jax.generation",
+    "speculative_generate": "dspark_jax.generation",
+    "GenerationResult": "dspark_jax.generation",
+    # tokenizer, corpus, training, evaluation, bundled pair (issue 5)
     "Tokenizer": "dspark_jax.tokenizer",
     "train_bpe": "dspark_jax.tokenizer",
     "load_tokenizer": "dspark_jax.tokenizer",
@@ -96,7 +96,8 @@ _EXPORTS = {
     "distillation_data": "dspark_jax.train",
     "default_draft_config": "dspark_jax.train",
     "check_draft_fits": "dspark_jax.train",
-    "TargetTrainConfig": "dspark_jax.train_target",
+    "TargetTrainConfig": "dspark_jax.target_training",
+    "train_target": "dspark_jax.target_training",
     "measure_tau": "dspark_jax.evaluate",
     "compare_drafts": "dspark_jax.evaluate",
     "heldout_prompts": "dspark_jax.evaluate",

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.checkpoint import load_draft
-    from dspark_jax.generate import generate, speculative_generate
+    from dspark_jax.generation import generate, speculative_generate
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer
 

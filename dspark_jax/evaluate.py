@@ -3,7 +3,7 @@
 Prompts are windows of the held-out split of the standard-library corpus (files never
 used in training, :mod:`dspark_jax.corpus`), tokenized with the target's
 ``tokenizer.json``. Each draft generates continuations with speculative decoding
-(:func:`~dspark_jax.generate.speculative_generate`) greedily and at temperature 1 (no
+(:func:`~dspark_jax.generation.speculative_generate`) greedily and at temperature 1 (no
 top-k / top-p), and τ is the mean number of tokens committed per round (accepted drafts
 plus the target's bonus token).
 """
@@ -69,7 +69,7 @@ def measure_tau(
       ``tau`` (overall), ``acceptance_by_position [γ]``, ``rounds``, ``tokens`` (generated
       count) and ``seconds`` (compilation included).
     """
-    from dspark_jax.generate import speculative_generate
+    from dspark_jax.generation import speculative_generate
 
     result = speculative_generate(
         target,

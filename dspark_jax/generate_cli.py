@@ -14,7 +14,7 @@ import os
 import jax
 
 from dspark_jax.checkpoint import load_draft
-from dspark_jax.generate import GenerationResult, generate, speculative_generate
+from dspark_jax.generation import GenerationResult, generate, speculative_generate
 from dspark_jax.target import check_pair, load_target
 from dspark_jax.tokenizer import load_tokenizer
 

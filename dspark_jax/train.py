@@ -424,7 +424,7 @@ def distillation_data(
     Returns:
       ``[count, seq_len]`` int32.
     """
-    from dspark_jax.generate import generate
+    from dspark_jax.generation import generate
 
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"prompt_len={prompt_len!r} is invalid: must lie in 1..seq_len-1={seq_len - 1}")

@@ -11,6 +11,7 @@ from flax import nnx
 from dspark_jax.config import TargetConfig
 from dspark_jax.corpus import is_held_out, list_stdlib_files, load_corpus
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.target_training import TargetTrainConfig, train_target
 from dspark_jax.train import (
     DraftTrainConfig,
     block_loss_terms,
@@ -21,7 +22,6 @@ from dspark_jax.train import (
     lr_schedule,
     train_draft,
 )
-from dspark_jax.train_target import TargetTrainConfig, train_target
 
 VOCAB = 32
 MASK = VOCAB - 1

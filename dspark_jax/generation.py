@@ -33,13 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dspark_jax.accept import accept, sample_tokens
-from dspark_jax.cache import ContextCache, init_context_cache
-from dspark_jax.commit import commit, prefill
+from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
+from dspark_jax.verification import accept, sample_tokens
 
 
 @dataclasses.dataclass(frozen=True)

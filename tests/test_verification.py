@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.accept import accept, accept_with_noise, apply_top_k_top_p, schedule_verify_lengths
 from dspark_jax.proposal import DraftBlock
 from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.verification import accept, accept_with_noise, apply_top_k_top_p, schedule_verify_lengths
 
 
 # ---------------------------------------------------------------- NumPy references

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cache import init_context_cache
-from dspark_jax.commit import commit, prefill
+from dspark_jax.cache import commit, init_context_cache, prefill
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
 

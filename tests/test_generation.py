@@ -13,7 +13,7 @@ from flax import nnx
 
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.generate import generate, speculative_generate
+from dspark_jax.generation import generate, speculative_generate
 from dspark_jax.target import Qwen3Target
 
 V = 24
