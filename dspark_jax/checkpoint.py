@@ -26,14 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 EMBED_NAME = "embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
 _PREFIX = "model."
@@ -79,19 +77,8 @@ class _TensorFiles:
     """Name → (file, stored name) over one or many safetensors files; reads lazily."""
 
     def __init__(self, folder: str):
-        index_path = os.path.join(folder, INDEX_NAME)
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index_path} has no 'weight_map' dict naming the tensors and their shard files")
-            stored = {}
-            for name, shard in weight_map.items():
-                stored.setdefault(os.path.join(folder, shard), []).append(name)
-            for path in stored:
-                if not os.path.isfile(path):
-                    raise ValueError(f"{index_path} lists shard {os.path.basename(path)!r}, which does not exist")
-        else:
+        stored = read_index(folder)
+        if stored is None:
             paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
             if not paths:
                 raise ValueError(
@@ -340,11 +327,6 @@ def load_draft(
 
 
 # ------------------------------------------------------------------------ writing
-def _stale_files(folder: str) -> list[str]:
-    patterns = (WEIGHTS_NAME, INDEX_NAME, "model-*-of-*.safetensors")
-    return sorted({p for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))})
-
-
 def save_draft(
     draft: DSparkDraft,
     path: Path,
@@ -369,12 +351,7 @@ def save_draft(
     Returns:
       The names of the safetensors files written.
     """
-    if max_shard_bytes is not None and (
-        isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1
-    ):
-        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be an integer >= 1 or None")
     folder = os.fspath(path)
-    os.makedirs(folder, exist_ok=True)
     tensors = {}
     for keys, leaf in _flatten(nnx.to_pure_dict(nnx.state(draft))):
         name, transpose = tensor_name(keys)
@@ -383,31 +360,7 @@ def save_draft(
         array = np.asarray(jax.device_get(leaf))
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-
-    for stale in _stale_files(folder):
-        os.remove(stale)
-    metadata = {"format": "pt"}
-    if max_shard_bytes is None:
-        files = [WEIGHTS_NAME]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        index = {
-            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-            "weight_map": {name: file for file, shard in zip(files, shards, strict=True) for name in shard},
-        }
-        with open(os.path.join(folder, INDEX_NAME), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    for file, shard in zip(files, shards, strict=True):
-        save_file(shard, os.path.join(folder, file), metadata=metadata)
+    files = write_tensors(folder, tensors, max_shard_bytes=max_shard_bytes)
     with open(os.path.join(folder, CONFIG_NAME), "w") as f:
         json.dump(draft.cfg.to_hf_config(), f, indent=2)
     return files

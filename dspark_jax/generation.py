@@ -8,10 +8,15 @@ prefill, draft context prefill, the first target token) and then ONE compiled ca
 round: propose ``d_1 … d_γ`` from the bonus, verify ``[bonus, d_1 … d_γ]`` with the
 target, accept, and commit the accepted positions into the draft context cache, all
 inside one ``jax.jit`` with the decode state (both caches) donated. The Python loop
-between rounds only reads the ``[B]`` done flags. With ``device_loop=True`` the rounds run
-in a ``lax.while_loop`` instead: two compiled calls for the whole generation.
-:func:`generate` (the baseline) runs one compiled call to start and one per token (or
-one ``while_loop`` for all tokens with ``device_loop=True``).
+between rounds only reads the ``[B]`` done flags, one round behind (:func:`_host_loop`).
+With ``device_loop=True`` the rounds run in a ``lax.while_loop`` instead: two compiled
+calls for the whole generation. :func:`generate` (the baseline) runs one compiled call
+to start and one per token (or one ``while_loop`` for all tokens with ``device_loop=True``).
+
+Each batch compiles one variant of these calls, chosen on the host from its requests
+(:func:`_variant`): all-greedy (no noise, no probabilities); sampling without top-k /
+top-p (no vocabulary sort); sampling with top-k / top-p over a static number of ranks
+(the power of two covering the largest top-k, or the whole vocabulary for top-p alone).
 
 Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
 when ``top_k <= 1`` or its temperature is 0. Finished requests stop changing: their
@@ -25,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +43,7 @@ from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
-from dspark_jax.verification import accept, sample_tokens
+from dspark_jax.verification import accept, required_filter_width, sample_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,16 +221,23 @@ def _emit(out, n_out, tokens, count, done, requests):
     return out, n_out, done
 
 
-def _any_sampling(requests: Requests) -> bool:
-    """Whether any row samples (static: all-greedy batches skip the noise and the sort)."""
-    return not bool(np.all((np.asarray(requests.top_k) <= 1) | (np.asarray(requests.temperatures) <= 0)))
+def _variant(requests: Requests, vocab_size: int) -> dict[str, Any]:
+    """The static decoding variant of a batch, decided on the host from its requests.
+
+    ``sampling``: whether any row samples (all-greedy batches draw no noise and build no
+    probabilities); ``filter_width``: ranks the target's top-k / top-p examine
+    (:func:`~dspark_jax.verification.required_filter_width`: 0 = no sort at all).
+    """
+    temps, top_k, top_p = (np.asarray(x) for x in (requests.temperatures, requests.top_k, requests.top_p))
+    sampling = not bool(np.all((top_k <= 1) | (temps <= 0)))
+    return dict(sampling=sampling, filter_width=required_filter_width(temps, top_k, top_p, vocab_size))
 
 
-def _pick(logits: jax.Array, requests: Requests, key: jax.Array, sampling: bool) -> jax.Array:
+def _pick(logits: jax.Array, requests: Requests, key: jax.Array, sampling: bool, filter_width: int) -> jax.Array:
     """The target's own next token ``[B]``: argmax, or its sampling rule when any row samples."""
     if not sampling:
         return greedy_step(logits)
-    return sample_tokens(logits, requests.temperatures, requests.top_k, requests.top_p, key)
+    return sample_tokens(logits, requests.temperatures, requests.top_k, requests.top_p, key, filter_width=filter_width)
 
 
 def _prefill_target(target, tokens, lengths, capacity, feature_layers):
@@ -239,10 +251,58 @@ def _prefill_target(target, tokens, lengths, capacity, feature_layers):
     return logits[jnp.arange(b), lengths - 1], features, cache
 
 
+def _split(module: nnx.Module) -> tuple[tuple[nnx.GraphDef, Any], list[jax.Array]]:
+    """``nnx.split`` with the state as a flat list of arrays: ``((graphdef, treedef), leaves)``.
+
+    The ``(graphdef, treedef)`` structure is bound into the compiled calls once (see
+    :func:`_speculative_program`) and the leaves, a plain list, are cheap to pass per call.
+    """
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return (graphdef, treedef), leaves
+
+
+def _merge(structure: tuple[nnx.GraphDef, Any], leaves: list[jax.Array]) -> Any:
+    """Inverse of :func:`_split` (inside the traced function)."""
+    graphdef, treedef = structure
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+class _Program(NamedTuple):
+    """The compiled calls of one decoding variant (:func:`_speculative_program`, :func:`_plain_program`)."""
+
+    start: Callable  # (target, [draft,] tokens, lengths, requests, key, *, capacity, out_len) -> state
+    step: Callable  # (target, [draft,] state, requests) -> (state, done [B]); state donated
+    loop: Callable  # (target, [draft,] state, requests, max_steps) -> (state, steps); state donated
+
+
+def _host_loop(step: Callable, state: Any, max_steps: int) -> tuple[Any, int]:
+    """Calls ``step`` until every row is done or ``max_steps`` calls ran; returns ``(state, calls)``.
+
+    One call stays in flight: call ``r + 1`` is dispatched before the host waits for the
+    done flags of call ``r``, so the device never idles while the host dispatches. When
+    those flags show every row done, call ``r + 1`` ran over finished rows only, which
+    changes nothing (their cache writes, outputs and statistics are masked); it is not
+    counted.
+
+    Args:
+      step: ``state -> (state, done [B])`` with ``state`` donated.
+      state: the state after the start call.
+      max_steps: the most calls to count.
+    """
+    if max_steps < 1 or np.asarray(state.done).all():
+        return state, 0
+    state, done = step(state)
+    calls = 1
+    while calls < max_steps:
+        state, next_done = step(state)
+        if np.asarray(done).all():
+            break
+        done, calls = next_done, calls + 1
+    return state, calls
+
+
 # ------------------------------------------------------------------ speculative
-@functools.partial(
-    jax.jit, static_argnames=("target_def", "draft_def", "capacity", "out_len", "sampling", "feature_layers")
-)
 def _start(
     target_state,
     draft_state,
@@ -256,16 +316,17 @@ def _start(
     capacity: int,
     out_len: int,
     sampling: bool,
+    filter_width: int,
     feature_layers: tuple[int, ...],
 ) -> DecodeState:
     """Target prefill, draft context prefill and the first token, one compiled call."""
-    target = nnx.merge(target_def, target_state)
-    draft = nnx.merge(draft_def, draft_state)
+    target = _merge(target_def, target_state)
+    draft = _merge(draft_def, draft_state)
     b = tokens.shape[0]
     last_logits, features, target_cache = _prefill_target(target, tokens, lengths, capacity, feature_layers)
     context = prefill(draft, init_context_cache(draft.cfg, b, capacity), features, lengths)
     key, k_first = jax.random.split(key)
-    first = _pick(last_logits, requests, k_first, sampling)  # [B]
+    first = _pick(last_logits, requests, k_first, sampling, filter_width)  # [B]
     out, n_out, done = _emit(
         jnp.zeros((b, out_len), jnp.int32),
         jnp.zeros((b,), jnp.int32),
@@ -290,7 +351,14 @@ def _start(
 
 
 def _round_step(
-    target, draft: DSparkDraft, state: DecodeState, requests: Requests, *, sampling: bool, feature_layers
+    target,
+    draft: DSparkDraft,
+    state: DecodeState,
+    requests: Requests,
+    *,
+    sampling: bool,
+    filter_width: int,
+    feature_layers,
 ) -> DecodeState:
     """One round on merged modules: propose, verify, accept, commit, emit (traced)."""
     active = ~state.done  # [B]
@@ -312,7 +380,9 @@ def _round_step(
     logits, features, target_cache = target(
         tokens, positions, state.target_cache, valid=valid, feature_layers=feature_layers
     )
-    correct_len, bonus = accept(logits, block, top_k=requests.top_k, top_p=requests.top_p, key=k_accept)
+    correct_len, bonus = accept(
+        logits, block, top_k=requests.top_k, top_p=requests.top_p, key=k_accept, filter_width=filter_width
+    )
     context, prefix_lens = commit(draft, state.context, features, state.prefix_lens, correct_len, active=active)
     # This round's tokens: the accepted drafts, then the bonus at index correct_len.
     slot = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
@@ -336,10 +406,6 @@ def _round_step(
     )
 
 
-_ROUND_STATIC = ("target_def", "draft_def", "sampling", "feature_layers")
-
-
-@functools.partial(jax.jit, static_argnames=_ROUND_STATIC, donate_argnames=("state",))
 def _round(
     target_state,
     draft_state,
@@ -349,14 +415,17 @@ def _round(
     target_def,
     draft_def,
     sampling,
+    filter_width,
     feature_layers,
-) -> DecodeState:
-    """One round, one compiled call (the host loop reads the done flags in between)."""
-    target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
-    return _round_step(target, draft, state, requests, sampling=sampling, feature_layers=feature_layers)
+) -> tuple[DecodeState, jax.Array]:
+    """One round, one compiled call; also returns the done flags ``[B]`` apart from the donated state."""
+    target, draft = _merge(target_def, target_state), _merge(draft_def, draft_state)
+    state = _round_step(
+        target, draft, state, requests, sampling=sampling, filter_width=filter_width, feature_layers=feature_layers
+    )
+    return state, state.done
 
 
-@functools.partial(jax.jit, static_argnames=_ROUND_STATIC, donate_argnames=("state",))
 def _all_rounds(
     target_state,
     draft_state,
@@ -367,10 +436,11 @@ def _all_rounds(
     target_def,
     draft_def,
     sampling,
+    filter_width,
     feature_layers,
 ) -> tuple[DecodeState, jax.Array]:
     """Every round in one compiled call: a ``while_loop`` until all rows are done."""
-    target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+    target, draft = _merge(target_def, target_state), _merge(draft_def, draft_state)
 
     def cond(carry):
         state, rounds = carry
@@ -378,10 +448,36 @@ def _all_rounds(
 
     def body(carry):
         state, rounds = carry
-        state = _round_step(target, draft, state, requests, sampling=sampling, feature_layers=feature_layers)
+        state = _round_step(
+            target, draft, state, requests, sampling=sampling, filter_width=filter_width, feature_layers=feature_layers
+        )
         return state, rounds + 1
 
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+
+
+@functools.lru_cache(maxsize=16)
+def _speculative_program(
+    target_def, draft_def, *, sampling: bool, filter_width: int, feature_layers: tuple[int, ...]
+) -> _Program:
+    """The compiled calls of one model pair and decoding variant, built once and reused.
+
+    The model structures are bound here instead of being static arguments of every call:
+    hashing an NNX GraphDef costs about half a millisecond on the host, which each round
+    would otherwise pay twice.
+    """
+    static = dict(
+        target_def=target_def,
+        draft_def=draft_def,
+        sampling=sampling,
+        filter_width=filter_width,
+        feature_layers=feature_layers,
+    )
+    return _Program(
+        start=jax.jit(functools.partial(_start, **static), static_argnames=("capacity", "out_len")),
+        step=jax.jit(functools.partial(_round, **static), donate_argnames=("state",)),
+        loop=jax.jit(functools.partial(_all_rounds, **static), donate_argnames=("state",)),
+    )
 
 
 def speculative_generate(
@@ -431,15 +527,15 @@ def speculative_generate(
     _check_key(key, len(prompts))
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, gamma + 1)
-    target_def, target_state = nnx.split(target)
-    draft_def, draft_state = nnx.split(draft)
-    static = dict(
-        target_def=target_def,
-        draft_def=draft_def,
-        sampling=_any_sampling(requests),
+    target_def, target_state = _split(target)
+    draft_def, draft_state = _split(draft)
+    program = _speculative_program(
+        target_def,
+        draft_def,
         feature_layers=tuple(draft.cfg.target_layer_ids),
+        **_variant(requests, target.config.vocab_size),
     )
-    state = _start(
+    state = program.start(
         target_state,
         draft_state,
         jnp.asarray(tokens),
@@ -448,17 +544,13 @@ def speculative_generate(
         key,
         capacity=capacity,
         out_len=_bucket(int(max_new.max()) + gamma + 1),
-        **static,
     )
     # Each round commits >= 1 token per active request, so max_new rounds always suffice.
     max_rounds = int(max_new.max())
     if device_loop:
-        state, rounds = _all_rounds(target_state, draft_state, state, requests, jnp.int32(max_rounds), **static)
+        state, rounds = program.loop(target_state, draft_state, state, requests, jnp.int32(max_rounds))
         return _result(state, max_new, requests, int(rounds), started)
-    rounds = 0
-    while not bool(jnp.all(state.done)) and rounds < max_rounds:
-        state = _round(target_state, draft_state, state, requests, **static)
-        rounds += 1
+    state, rounds = _host_loop(lambda s: program.step(target_state, draft_state, s, requests), state, max_rounds)
     return _result(state, max_new, requests, rounds, started)
 
 
@@ -505,13 +597,14 @@ class _PlainState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "capacity", "out_len", "sampling"))
-def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, capacity, out_len, sampling):
-    target = nnx.merge(target_def, target_state)
+def _plain_start(
+    target_state, tokens, lengths, requests, key, *, target_def, capacity, out_len, sampling, filter_width
+):
+    target = _merge(target_def, target_state)
     b = tokens.shape[0]
     last_logits, _, cache = _prefill_target(target, tokens, lengths, capacity, ())
     key, k_first = jax.random.split(key)
-    first = _pick(last_logits, requests, k_first, sampling)
+    first = _pick(last_logits, requests, k_first, sampling, filter_width)
     out, n_out, done = _emit(
         jnp.zeros((b, out_len), jnp.int32),
         jnp.zeros((b,), jnp.int32),
@@ -523,14 +616,14 @@ def _plain_start(target_state, tokens, lengths, requests, key, *, target_def, ca
     return _PlainState(cache=cache, next_pos=lengths, last=first, done=done, out=out, n_out=n_out, key=key)
 
 
-def _plain_token(target, state: _PlainState, requests: Requests, sampling: bool) -> _PlainState:
+def _plain_token(target, state: _PlainState, requests: Requests, sampling: bool, filter_width: int) -> _PlainState:
     """One decode step on the merged target (traced)."""
     active = ~state.done
     logits, _, cache = target(
         state.last[:, None], state.next_pos[:, None], state.cache, valid=active[:, None], feature_layers=()
     )
     key, k_tok = jax.random.split(state.key)
-    tok = _pick(logits[:, 0], requests, k_tok, sampling)
+    tok = _pick(logits[:, 0], requests, k_tok, sampling, filter_width)
     out, n_out, done = _emit(state.out, state.n_out, tok[:, None], active.astype(jnp.int32), state.done, requests)
     return _PlainState(
         cache=cache,
@@ -543,14 +636,13 @@ def _plain_token(target, state: _PlainState, requests: Requests, sampling: bool)
     )
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
-def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling) -> _PlainState:
-    return _plain_token(nnx.merge(target_def, target_state), state, requests, sampling)
+def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling, filter_width):
+    state = _plain_token(_merge(target_def, target_state), state, requests, sampling, filter_width)
+    return state, state.done
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "sampling"), donate_argnames=("state",))
-def _plain_all_steps(target_state, state: _PlainState, requests, max_steps, *, target_def, sampling):
-    target = nnx.merge(target_def, target_state)
+def _plain_all_steps(target_state, state: _PlainState, requests, max_steps, *, target_def, sampling, filter_width):
+    target = _merge(target_def, target_state)
 
     def cond(carry):
         state, steps = carry
@@ -558,9 +650,20 @@ def _plain_all_steps(target_state, state: _PlainState, requests, max_steps, *, t
 
     def body(carry):
         state, steps = carry
-        return _plain_token(target, state, requests, sampling), steps + 1
+        return _plain_token(target, state, requests, sampling, filter_width), steps + 1
 
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_program(target_def, *, sampling: bool, filter_width: int) -> _Program:
+    """The baseline's compiled calls for one target and decoding variant (see :func:`_speculative_program`)."""
+    static = dict(target_def=target_def, sampling=sampling, filter_width=filter_width)
+    return _Program(
+        start=jax.jit(functools.partial(_plain_start, **static), static_argnames=("capacity", "out_len")),
+        step=jax.jit(functools.partial(_plain_step, **static), donate_argnames=("state",)),
+        loop=jax.jit(functools.partial(_plain_all_steps, **static), donate_argnames=("state",)),
+    )
 
 
 def generate(
@@ -590,30 +693,23 @@ def generate(
     _check_key(key, len(prompts))
     max_new = np.asarray(requests.max_new)
     capacity = _capacity(capacity, lengths, max_new, 1)
-    sampling = _any_sampling(requests)
-    target_def, target_state = nnx.split(target)
-    state = _plain_start(
+    target_def, target_state = _split(target)
+    program = _plain_program(target_def, **_variant(requests, target.config.vocab_size))
+    state = program.start(
         target_state,
         jnp.asarray(tokens),
         jnp.asarray(lengths),
         requests,
         key,
-        target_def=target_def,
         capacity=capacity,
         out_len=_bucket(int(max_new.max()) + 1),
-        sampling=sampling,
     )
     max_steps = int(max_new.max())
     if device_loop:
-        state, steps = _plain_all_steps(
-            target_state, state, requests, jnp.int32(max_steps), target_def=target_def, sampling=sampling
-        )
+        state, steps = program.loop(target_state, state, requests, jnp.int32(max_steps))
         steps = int(steps)
     else:
-        steps = 0
-        while not bool(jnp.all(state.done)) and steps < max_steps:
-            state = _plain_step(target_state, state, requests, target_def=target_def, sampling=sampling)
-            steps += 1
+        state, steps = _host_loop(lambda s: program.step(target_state, s, requests), state, max_steps)
     tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
     return GenerationResult(
         tokens=tokens,

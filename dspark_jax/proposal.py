@@ -243,6 +243,48 @@ def _confidence(draft: DSparkDraft, slot_hidden: jax.Array, bonus: jax.Array, to
     return draft.confidence(slot_hidden, prev).astype(jnp.float32)
 
 
+def _greedy_mask(temperatures: jax.Array, top_k: jax.Array, batch: int, fold_sampling: bool) -> jax.Array:
+    """``[B]`` rows drafted greedily: every row when sampling is not folded."""
+    return greedy_rows(temperatures, top_k) if fold_sampling else jnp.ones((batch,), bool)
+
+
+def _pick(
+    step: jax.Array,
+    logits: jax.Array,
+    *,
+    temps: jax.Array,
+    greedy: jax.Array,
+    keys: jax.Array | None,
+    fold_sampling: bool,
+) -> jax.Array:
+    """``[B]`` tokens of walk step ``step`` from its ``[B, V]`` float32 logits (argmax without folding)."""
+    if fold_sampling:
+        return sample_step(logits, temps, greedy, step_keys(keys, step))
+    return greedy_step(logits)
+
+
+def _finish(
+    draft: DSparkDraft,
+    slot_hidden: jax.Array,
+    bonus: jax.Array,
+    tokens: jax.Array,
+    corrected: jax.Array,
+    greedy: jax.Array,
+    temps: jax.Array,
+    fold_sampling: bool,
+) -> DraftBlock:
+    """The :class:`DraftBlock` of ``tokens [B, γ]``; ``corrected [B, γ, V]`` is dropped without folding."""
+    if not fold_sampling:
+        corrected = jnp.zeros((*tokens.shape, 0), jnp.float32)
+    return DraftBlock(
+        draft_tokens=tokens,
+        corrected_logits=corrected,
+        greedy_mask=greedy,
+        temperatures=temps,
+        confidence=_confidence(draft, slot_hidden, bonus, tokens),
+    )
+
+
 def propose_with(
     draft: DSparkDraft,
     cache: ContextCache,
@@ -272,34 +314,14 @@ def propose_with(
     Returns:
       The :class:`DraftBlock`.
     """
-    cfg = draft.cfg
-    batch = check_shapes(cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
+    batch = check_shapes(draft.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
     temps = clamp_temperatures(temperatures)
     slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds)
-    if fold_sampling:
-        greedy = greedy_rows(temperatures, top_k)
-        keys = row_keys(key, batch)
-
-        def pick(step, logits):
-            return sample_step(logits, temps, greedy, step_keys(keys, step))
-
-    else:
-        greedy = jnp.ones((batch,), bool)
-
-        def pick(step, logits):
-            del step
-            return greedy_step(logits)
-
+    greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
+    keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
+    pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
     tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
-    if not fold_sampling:
-        corrected = jnp.zeros((batch, cfg.gamma, 0), jnp.float32)
-    return DraftBlock(
-        draft_tokens=tokens,
-        corrected_logits=corrected,
-        greedy_mask=greedy,
-        temperatures=temps,
-        confidence=_confidence(draft, slot_hidden, bonus, tokens),
-    )
+    return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
 
 
 def propose(
@@ -355,7 +377,7 @@ def _eager_backbone(
     slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds)
     head = draft.markov_head
     head_state = head.init_state(batch) if head is not None else jnp.zeros((batch, 0), jnp.float32)
-    greedy = greedy_rows(temperatures, top_k) if fold_sampling else jnp.ones((batch,), bool)
+    greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
     keys = row_keys(key, batch)
     return slot_hidden, base, head_state, clamp_temperatures(temperatures), greedy, keys
 
@@ -367,23 +389,14 @@ def _eager_step(graphdef, state, head_state, prev, base, hidden, temps, greedy, 
     if head is not None:
         head_state, bias = head.step(head_state, prev, hidden[:, step])
         logits = logits + bias.astype(jnp.float32)
-    tokens = sample_step(logits, temps, greedy, step_keys(keys, step)) if fold_sampling else greedy_step(logits)
+    tokens = _pick(step, logits, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
     return head_state, tokens, logits
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")
 def _eager_finish(graphdef, state, slot_hidden, bonus, tokens, logits, temps, greedy, *, fold_sampling):
-    draft = nnx.merge(graphdef, state)
-    tokens = jnp.stack(tokens, axis=1)  # [B, γ]
-    batch, gamma = tokens.shape
-    corrected = jnp.stack(logits, axis=1) if fold_sampling else jnp.zeros((batch, gamma, 0), jnp.float32)
-    return DraftBlock(
-        draft_tokens=tokens,
-        corrected_logits=corrected,  # [B, γ, V]
-        greedy_mask=greedy,
-        temperatures=temps,
-        confidence=_confidence(draft, slot_hidden, bonus, tokens),
-    )
+    tokens, corrected = jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1)  # [B, γ], [B, γ, V]
+    return _finish(nnx.merge(graphdef, state), slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
 
 
 def run_eager(

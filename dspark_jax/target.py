@@ -30,6 +30,7 @@ from flax import nnx, struct
 
 from dspark_jax.config import DTYPES, DraftConfig, TargetConfig
 from dspark_jax.layers import DecoderLayer, RMSNorm
+from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
 
 
 @struct.dataclass
@@ -176,10 +177,6 @@ class Qwen3Target(nnx.Module):
 
 
 # ---------------------------------------------------------------------- checkpoints
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
-
-
 def _hf_variables(target: Qwen3Target) -> dict[str, tuple[nnx.Variable, bool]]:
     """HF tensor name → (the variable holding it, whether HF stores it transposed)."""
     out = {"model.embed_tokens.weight": (target.embed, False), "model.norm.weight": (target.norm.weight, False)}
@@ -206,28 +203,19 @@ def _hf_variables(target: Qwen3Target) -> dict[str, tuple[nnx.Variable, bool]]:
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a single-file or sharded safetensors checkpoint folder."""
-    index = os.path.join(path, _INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map': expected {{tensor name: shard file}}")
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, _SINGLE_FILE)):
-        weight_map, files = None, [_SINGLE_FILE]
-    else:
-        raise ValueError(f"checkpoint folder {path!r} has neither {_SINGLE_FILE} nor {_INDEX_FILE}")
+    shards = read_index(path)
+    if shards is None:
+        if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+            raise ValueError(f"checkpoint folder {path!r} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+        shards = {os.path.join(path, WEIGHTS_NAME): None}
     tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        shard = os.path.join(path, name)
-        if not os.path.isfile(shard):
-            raise ValueError(f"shard {name!r} listed in {_INDEX_FILE} is missing from {path!r}")
+    for shard, listed in shards.items():
         for key, value in safetensors.numpy.load_file(shard).items():
             if key in tensors:
                 raise ValueError(f"tensor {key!r} appears in more than one shard of {path!r}")
-            if weight_map is not None and weight_map.get(key) != name:
+            if listed is not None and key not in listed:
                 raise ValueError(
-                    f"tensor {key!r} is in shard {name!r} but the index maps it to {weight_map.get(key)!r}"
+                    f"tensor {key!r} is in shard {os.path.basename(shard)!r} but the index does not map it there"
                 )
             tensors[key] = value
     return tensors
@@ -305,32 +293,13 @@ def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes
         ``model.safetensors.index.json``; one ``model.safetensors`` when omitted.
     """
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(target.config.to_hf_config(), f, indent=2)
     tensors = {}
     for name, (variable, transposed) in _hf_variables(target).items():
         value = np.asarray(variable.get_value())
         tensors[name] = np.ascontiguousarray(value.T if transposed else value)
-    if max_shard_bytes is None:
-        safetensors.numpy.save_file(tensors, os.path.join(path, _SINGLE_FILE), metadata={"format": "pt"})
-        return
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, value in tensors.items():
-        if shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += value.nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        safetensors.numpy.save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
-    with open(os.path.join(path, _INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
+    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(target.config.to_hf_config(), f, indent=2)
 
 
 def check_pair(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -29,14 +28,13 @@ from flax import nnx
 from dspark_jax.config import TargetConfig
 from dspark_jax.target import Qwen3Target
 from dspark_jax.train import (
-    Progress,
     TrainResult,
     cast_params,
+    check_schedule_fields,
     check_token_stream,
-    load_train_state,
-    make_optimizer,
+    fit,
+    optimizer_for,
     sample_windows,
-    save_train_state,
 )
 
 
@@ -56,14 +54,9 @@ class TargetTrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "log_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        check_schedule_fields(self, ("steps", "batch_size", "seq_len", "log_every"))
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} is invalid: a language-model window needs >= 2 tokens")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
 
 
 def lm_loss(target, tokens: jax.Array) -> jax.Array:
@@ -116,46 +109,34 @@ def train_target(
             f"seq_len={tcfg.seq_len} exceeds the target's max_position_embeddings={cfg.max_position_embeddings}"
         )
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs a checkpoint_dir")
     model = Qwen3Target(cfg, rngs=nnx.Rngs(tcfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    optimizer = make_optimizer(
-        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
-    )
-    opt_state = optimizer.init(params)
-    run_meta = {"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()}
-    start = 0
-    if resume:
-        if checkpoint_dir is None:
-            raise ValueError("resume=True needs a checkpoint_dir")
-        (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
-        if meta["train_config"] != run_meta["train_config"] or meta["target_config"] != run_meta["target_config"]:
-            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
-        start = meta["step"]
-    step_fn = make_target_train_step(graphdef, optimizer)
-    history: dict[str, list[float]] = {"loss": []}
-    bar = Progress(tcfg.steps, enabled=progress)
-    started = time.perf_counter()
-    done = start
-    for step in range(start, tcfg.steps):
+    optimizer = optimizer_for(tcfg)
+    train_step = make_target_train_step(graphdef, optimizer)
+
+    def step_fn(params, opt_state, step):
         batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, np.random.default_rng([tcfg.seed, step]))
-        params, opt_state, loss = step_fn(params, rest, opt_state, batch)
-        done = step + 1
-        out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
-        if done % tcfg.log_every == 0 or done == tcfg.steps or out_of_time:
-            loss = float(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"target loss became {loss} at step {done}")
-            history["loss"].append(loss)
-            bar.update(done, {"loss": loss})
-        if checkpoint_dir and (
-            done == tcfg.steps or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
-        ):
-            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
-        if out_of_time:
-            break
-    bar.close()
+        params, opt_state, loss = train_step(params, rest, opt_state, batch)
+        return params, opt_state, {"loss": loss}
+
+    params, history, done = fit(
+        step_fn,
+        params,
+        optimizer.init(params),
+        tcfg,
+        name="target",
+        run_meta={"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()},
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        progress=progress,
+        max_seconds=max_seconds,
+        end=tcfg.steps,
+        record_every_step=False,
+    )
     nnx.update(model, params)
-    return TrainResult(model=model, history=history, step=done)
+    return TrainResult(model=model, history={"loss": [], **history}, step=done)
 
 
 def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256) -> float:

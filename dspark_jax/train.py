@@ -64,6 +64,37 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))
 
 
+def check_schedule_fields(cfg: Any, counts: tuple[str, ...]) -> None:
+    """Validates the fields every trainer config shares.
+
+    Args:
+      cfg: a trainer config with ``lr``, ``warmup_frac``, ``clip_norm`` and ``checkpoint_every``.
+      counts: names of its fields that must be integers ``>= 1``.
+
+    Raises:
+      ValueError: naming the first invalid field and what is allowed.
+    """
+    for name in counts:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    every = cfg.checkpoint_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"checkpoint_every={every!r} is invalid: must be an integer >= 0")
+    for name in ("lr", "clip_norm"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} is invalid: must be > 0")
+    if not 0 <= cfg.warmup_frac < 1:
+        raise ValueError(f"warmup_frac={cfg.warmup_frac!r} is invalid: must lie in [0, 1)")
+
+
+def optimizer_for(tcfg: Any) -> optax.GradientTransformation:
+    """:func:`make_optimizer` with a trainer config's steps, lr, warmup_frac, weight_decay and clip_norm."""
+    return make_optimizer(
+        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
+    )
+
+
 def sample_windows(tokens: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
     """``batch`` random windows of ``seq_len`` consecutive tokens: ``[B, S]`` int32."""
     starts = rng.integers(0, len(tokens) - seq_len + 1, size=batch)
@@ -150,6 +181,74 @@ def cast_params(module: nnx.Module, dtype: str) -> None:
             var.set_value(var.get_value().astype(target))
 
 
+def fit(
+    step_fn: Callable[[Any, Any, int], tuple[Any, Any, dict[str, jax.Array]]],
+    params: Any,
+    opt_state: Any,
+    tcfg: Any,
+    *,
+    name: str,
+    run_meta: dict[str, Any],
+    checkpoint_dir: str | None,
+    resume: bool,
+    progress: bool,
+    max_seconds: float | None,
+    end: int,
+    record_every_step: bool,
+) -> tuple[Any, dict[str, list[float]], int]:
+    """The training loop both trainers share: resume, step, log, checkpoint, stop.
+
+    Args:
+      step_fn: ``(params, opt_state, step) -> (params, opt_state, metrics)``; ``metrics``
+        holds scalar arrays, ``"loss"`` among them.
+      params, opt_state: the trained leaves and the optimizer state.
+      tcfg: the trainer config (``steps``, ``log_every``, ``checkpoint_every``).
+      name: what is trained, for the error raised on a non-finite loss.
+      run_meta: the settings saved with each checkpoint; resuming needs them equal.
+      checkpoint_dir: where the training state is written (every ``checkpoint_every``
+        steps, at ``end`` and when out of time); ``None``: nowhere.
+      resume: continue from the state in ``checkpoint_dir``.
+      progress: draw the progress bar.
+      max_seconds: stop (and checkpoint) once the loop has run this long.
+      end: the step to stop after (``<= tcfg.steps``).
+      record_every_step: read the metrics back every step (else only on logged steps).
+
+    Returns:
+      ``(params, history, steps done)``; ``history`` maps each metric to the values read.
+    """
+    start = 0
+    if resume:
+        (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
+        if any(meta.get(key) != value for key, value in run_meta.items()):
+            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
+        start = meta["step"]
+    history: dict[str, list[float]] = {}
+    bar = Progress(tcfg.steps, enabled=progress)
+    started = time.perf_counter()
+    done = start
+    for step in range(start, end):
+        params, opt_state, metrics = step_fn(params, opt_state, step)
+        done = step + 1
+        out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
+        log = done % tcfg.log_every == 0 or done == end or out_of_time
+        if record_every_step or log:
+            metrics = {k: float(v) for k, v in metrics.items()}
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"{name} loss became {metrics['loss']} at step {done}")
+            for k, v in metrics.items():
+                history.setdefault(k, []).append(v)
+        if log:
+            bar.update(done, metrics)
+        if checkpoint_dir and (
+            done == end or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
+        ):
+            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+        if out_of_time:
+            break
+    bar.close()
+    return params, history, done
+
+
 # --------------------------------------------------------------------------- the draft loss
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftTrainConfig:
@@ -172,19 +271,9 @@ class DraftTrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "anchors_per_seq", "log_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
-            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} is invalid: must be an integer >= 0")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} is invalid: must be an integer >= 0")
-        for name in ("lr", "clip_norm", "position_decay"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be > 0")
-        if not 0 <= self.warmup_frac < 1:
-            raise ValueError(f"warmup_frac={self.warmup_frac!r} is invalid: must lie in [0, 1)")
+        check_schedule_fields(self, ("steps", "batch_size", "seq_len", "anchors_per_seq", "log_every"))
+        if not self.position_decay > 0:
+            raise ValueError(f"position_decay={self.position_decay!r} is invalid: must be > 0")
 
 
 def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int) -> None:
@@ -318,13 +407,6 @@ def draft_loss(
     return loss, {"loss": loss, **metrics}
 
 
-def draft_optimizer(tcfg: DraftTrainConfig) -> optax.GradientTransformation:
-    """The optimizer :func:`train_draft` uses for ``tcfg``."""
-    return make_optimizer(
-        tcfg.steps, tcfg.lr, warmup_frac=tcfg.warmup_frac, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm
-    )
-
-
 @functools.lru_cache(maxsize=8)
 def make_draft_train_step(draft_graphdef, target_graphdef, tcfg: DraftTrainConfig) -> Callable:
     """The jitted step ``(params, rest, opt_state, target_state, tokens, anchors) -> (params, opt_state, metrics)``.
@@ -332,7 +414,7 @@ def make_draft_train_step(draft_graphdef, target_graphdef, tcfg: DraftTrainConfi
     Cached on its (hashable) arguments, so runs of the same models and settings in one
     process, a resumed run for example, share one compilation.
     """
-    optimizer = draft_optimizer(tcfg)
+    optimizer = optimizer_for(tcfg)
 
     def step(params, rest, opt_state, target_state, tokens, anchors):
         target = nnx.merge(target_graphdef, target_state)
@@ -507,45 +589,33 @@ def train_draft(
 
     draft = _new_draft(draft_cfg, target, tcfg.seed)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    opt_state = draft_optimizer(tcfg).init(params)
-    start = 0
-    run_meta = {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
-    if resume:
-        (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
-        if meta["train_config"] != run_meta["train_config"] or meta["draft_config"] != run_meta["draft_config"]:
-            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
-        start = meta["step"]
     tgraph, tstate = nnx.split(target)
-    step_fn = make_draft_train_step(graphdef, tgraph, tcfg)
-    history: dict[str, list[float]] = {}
-    bar = Progress(tcfg.steps, enabled=progress)
+    train_step = make_draft_train_step(graphdef, tgraph, tcfg)
     rows = draft_cfg.num_query_rows
-    started = time.perf_counter()
-    done = start
-    for step in range(start, end):
+
+    def step_fn(params, opt_state, step):
         rng = np.random.default_rng([tcfg.seed, step])
         batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, rng)
         if distilled is not None:
             rows_d = rng.integers(0, distilled.shape[0], size=tcfg.batch_size // 2)
             batch[: rows_d.size] = distilled[rows_d]
         anchors = sample_anchors(rng, tcfg.batch_size, tcfg.anchors_per_seq, tcfg.seq_len, rows)
-        params, opt_state, metrics = step_fn(params, rest, opt_state, tstate, batch, anchors)
-        metrics = {k: float(v) for k, v in metrics.items()}
-        for k, v in metrics.items():
-            history.setdefault(k, []).append(v)
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"draft loss became {metrics['loss']} at step {step + 1}")
-        done = step + 1
-        out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
-        if done % tcfg.log_every == 0 or done == end or out_of_time:
-            bar.update(done, metrics)
-        if checkpoint_dir and (
-            done == end or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
-        ):
-            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
-        if out_of_time:
-            break
-    bar.close()
+        return train_step(params, rest, opt_state, tstate, batch, anchors)
+
+    params, history, done = fit(
+        step_fn,
+        params,
+        optimizer_for(tcfg).init(params),
+        tcfg,
+        name="draft",
+        run_meta={"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()},
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        progress=progress,
+        max_seconds=max_seconds,
+        end=end,
+        record_every_step=True,
+    )
     nnx.update(draft, params)
     return TrainResult(model=draft, history=history, step=done)
 

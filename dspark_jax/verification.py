@@ -18,6 +18,13 @@ supplies the bonus. Per row (``DSPARK_SPEC.md`` §4):
 A per-request cap ``verify_len ∈ [1, γ+1]`` (the anchor plus the drafts the target
 verified) bounds ``correct_len ≤ verify_len − 1``. Sampling draws ``u ~ U[0, 1)`` and
 ``E ~ Exp(1)`` (the exponential race, ``argmax(probs / E)``), all in float32.
+
+Ranking the vocabulary for top-k / top-p is a sort, by far the dearest step on CPU, so
+the number of ranks examined is a static ``filter_width`` decided on the host from the
+requests (:func:`required_filter_width`): ``0`` when no sampling row restricts its distribution
+(no ranking at all), the power of two covering the largest top-k when every restricting
+row has one (a partial ``lax.top_k``), else ``V`` (a full ranking). Rows that keep the
+whole vocabulary get the softmax itself in every variant, so all variants agree exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.sampling import clamp_temperatures, greedy_rows, greedy_step
 
@@ -33,48 +41,94 @@ if TYPE_CHECKING:
     from dspark_jax.proposal import DraftBlock
 
 
-def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
+    """The static number of ranks top-k / top-p must examine for these requests (host side).
+
+    Only sampling rows count (greedy rows, ``top_k <= 1`` or temperature 0, never read
+    the target's probabilities). A row restricts its distribution when ``top_k < V`` or
+    ``top_p < 1``.
+
+    Args:
+      temperatures, top_k, top_p: ``[B]`` host values (NumPy or lists).
+      vocab_size: ``V``.
+
+    Returns:
+      ``0`` when no sampling row restricts (skip the ranking); otherwise the smallest power
+      of two ``>=`` every restricting row's ``top_k``, capped at ``V`` (``V`` as soon as
+      one restricting row has ``top_k >= V``, i.e. top-p alone).
+    """
+    temperatures, top_k, top_p = (np.asarray(x) for x in (temperatures, top_k, top_p))
+    sampling = (top_k > 1) & (temperatures > 0)
+    restricting = sampling & ((top_k < vocab_size) | (top_p < 1.0))
+    if not restricting.any():
+        return 0
+    widest = int(np.minimum(top_k[restricting], vocab_size).max())
+    return min(vocab_size, 1 << (widest - 1).bit_length())
+
+
+def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, width: int | None = None) -> jax.Array:
     """Restricts distributions to their top-k, then to their top-p nucleus, and renormalises.
 
     Tokens are ranked by probability, ties by lowest id. Top-k keeps the ``k`` first
     ranks; top-p then keeps the shortest ranked prefix whose (top-k renormalised) mass
-    reaches ``top_p``, never fewer than one token; ``top_p >= 1`` keeps all.
+    reaches ``top_p``, never fewer than one token; ``top_p >= 1`` keeps all. Rows with
+    ``top_k >= V`` and ``top_p >= 1`` are returned unchanged.
 
     Args:
       probs: ``[..., V]`` float32 probabilities (rows sum to 1).
       top_k: ``[...]`` integer, ``>= 1`` (a huge value = no top-k).
       top_p: ``[...]`` float in ``(0, 1]``.
+      width: static number of ranks examined, in ``[1, V]`` (default ``V``); a smaller
+        width sorts only that many ranks, and a row that restricts acts as if its
+        ``top_k`` were ``min(top_k, width)`` (exact when ``width >= top_k``).
 
     Returns:
       ``[..., V]`` float32 probabilities, zero outside the kept set.
     """
     probs = probs.astype(jnp.float32)
+    v = probs.shape[-1]
+    width = v if width is None else width
+    if not 1 <= width <= v:
+        raise ValueError(f"width={width!r} is invalid: must be an integer in [1, V={v}]")
     top_k = jnp.broadcast_to(top_k, probs.shape[:-1])[..., None]
     top_p = jnp.broadcast_to(top_p, probs.shape[:-1])[..., None].astype(jnp.float32)
-    order = jnp.argsort(-probs, axis=-1, stable=True)  # rank -> token id
-    ranked = jnp.take_along_axis(probs, order, axis=-1)  # [..., V] descending
-    rank = jnp.arange(probs.shape[-1])
+    ranked, order = jax.lax.top_k(probs, width)  # [..., W] descending, ties by lowest id
+    rank = jnp.arange(width)
     in_top_k = rank < top_k
-    mass_k = jnp.sum(jnp.where(in_top_k, ranked, 0.0), axis=-1, keepdims=True)
-    before = jnp.cumsum(ranked, axis=-1) - ranked  # mass ranked strictly ahead
-    keep_ranked = in_top_k & ((before < top_p * mass_k) | (top_p >= 1.0) | (rank == 0))
-    kept = jnp.where(_unsort(keep_ranked, order), probs, 0.0)
-    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+    # Running sums in rank order, so the top-k mass and the mass ranked strictly ahead of a
+    # token round the same way whatever the width.
+    running = jnp.cumsum(ranked, axis=-1)  # [..., W]
+    mass_k = jnp.take_along_axis(running, jnp.clip(top_k, 1, width) - 1, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
+    keep_ranked = in_top_k & ((before < top_p * mass_k) | (top_p >= 1.0) | (rank == 0))  # a prefix of the ranks
+    last = jnp.sum(keep_ranked, axis=-1, keepdims=True) - 1  # rank of the last kept token
+    cut_prob = jnp.take_along_axis(ranked, last, axis=-1)
+    cut_id = jnp.take_along_axis(order, last, axis=-1)
+    ids = jnp.arange(v)
+    # Token v ranks at or ahead of the last kept one: more probable, or as probable with a lower id.
+    keep = (probs > cut_prob) | ((probs == cut_prob) & (ids <= cut_id))
+    kept = jnp.where(keep, probs, 0.0)
+    filtered = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    return jnp.where((top_k >= v) & (top_p >= 1.0), probs, filtered)
 
 
-def _unsort(ranked: jax.Array, order: jax.Array) -> jax.Array:
-    """Scatters ``ranked[..., r]`` back to token ``order[..., r]`` along the last axis."""
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(ranked, inverse, axis=-1)
-
-
-def target_probs(logits: jax.Array, temperatures: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def target_probs(
+    logits: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    filter_width: int | None = None,
+) -> jax.Array:
     """The target's sampling distribution: ``softmax(logits / T)`` with top-k / top-p.
 
     Args:
       logits: ``[B, ..., V]``.
       temperatures: ``[B]`` (clamped below at ``1e-5``).
       top_k, top_p: ``[B]``.
+      filter_width: static ranks examined (see :func:`required_filter_width`): ``0`` skips top-k /
+        top-p entirely (the caller guarantees no row that matters restricts), ``None`` =
+        ``V`` (exact for every row).
 
     Returns:
       ``[B, ..., V]`` float32.
@@ -83,7 +137,9 @@ def target_probs(logits: jax.Array, temperatures: jax.Array, top_k: jax.Array, t
     expand = (slice(None),) + (None,) * extra
     t = clamp_temperatures(temperatures)[expand + (None,)]
     probs = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
-    return apply_top_k_top_p(probs, top_k[expand], top_p[expand])
+    if filter_width == 0:
+        return probs
+    return apply_top_k_top_p(probs, top_k[expand], top_p[expand], width=filter_width)
 
 
 def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -102,7 +158,13 @@ def race(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
 
 
 def sample_tokens(
-    logits: jax.Array, temperatures: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
+    logits: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    key: jax.Array,
+    *,
+    filter_width: int | None = None,
 ) -> jax.Array:
     """Samples one token per row the way the target samples on its own.
 
@@ -110,11 +172,14 @@ def sample_tokens(
       logits: ``[B, V]`` float32.
       temperatures, top_k, top_p: ``[B]``; greedy rows (``sampling.greedy_rows``) take the argmax.
       key: a PRNG key.
+      filter_width: static ranks examined for top-k / top-p (see :func:`required_filter_width`;
+        ``None`` = ``V``).
 
     Returns:
       ``[B]`` int32.
     """
-    sampled = race(target_probs(logits, temperatures, top_k, top_p), exponential_noise(key, logits.shape))
+    probs = target_probs(logits, temperatures, top_k, top_p, filter_width=filter_width)
+    sampled = race(probs, exponential_noise(key, logits.shape))
     return jnp.where(greedy_rows(temperatures, top_k), greedy_step(logits), sampled)
 
 
@@ -126,6 +191,7 @@ def accept(
     top_p: jax.Array,
     verify_len: jax.Array | None = None,
     key: jax.Array,
+    filter_width: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Accepts a prefix of each row's drafts and picks the bonus token. Jittable.
 
@@ -138,6 +204,8 @@ def accept(
       verify_len: ``[B]`` int in ``[1, γ+1]``, rows the target verified (anchor
         included); ``None`` = all ``γ + 1``.
       key: a PRNG key for the uniforms and the bonus draw.
+      filter_width: static ranks examined for top-k / top-p (see :func:`required_filter_width`):
+        ``0`` = no sampling row restricts (no sort), ``None`` = ``V`` (exact for any rows).
 
     Returns:
       ``(correct_len [B] int32 in [0, verify_len − 1], bonus [B] int32)``.
@@ -154,6 +222,7 @@ def accept(
         verify_len=verify_len,
         uniforms=uniforms,
         exponentials=exponentials,
+        filter_width=filter_width,
     )
 
 
@@ -166,6 +235,7 @@ def accept_with_noise(
     verify_len: jax.Array | None,
     uniforms: jax.Array,
     exponentials: jax.Array,
+    filter_width: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`accept` with its randomness supplied: ``uniforms [B, γ]`` in ``[0, 1)`` and
     ``exponentials [B, V]`` Exp(1) noise for the bonus race (sampling rows only)."""
@@ -182,7 +252,7 @@ def accept_with_noise(
         return greedy_len, greedy_bonus
 
     temps = clamp_temperatures(block.temperatures)
-    p = target_probs(target_logits, temps, top_k, top_p)  # [B, T, V]
+    p = target_probs(target_logits, temps, top_k, top_p, filter_width=filter_width)  # [B, T, V]
     q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) / temps[:, None, None], axis=-1)  # [B, γ, V]
     p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
@@ -202,6 +272,12 @@ def accept_with_noise(
 def _leading_true(flags: jax.Array) -> jax.Array:
     """``[B, γ]`` bool → ``[B]`` int32 count of leading True values."""
     return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _unsort(ranked: jax.Array, order: jax.Array) -> jax.Array:
+    """Scatters ``ranked[..., r]`` back to token ``order[..., r]`` along the last axis."""
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(ranked, inverse, axis=-1)
 
 
 def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) -> jax.Array:

@@ -215,6 +215,18 @@ def test_save_load_round_trip_single_and_sharded(tmp_path, tied):
         np.testing.assert_array_equal(_logits(loaded, tokens), _logits(target, tokens))
 
 
+def test_saving_over_an_older_checkpoint_replaces_its_files(tmp_path):
+    old = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
+    new = Qwen3Target(_cfg(), rngs=nnx.Rngs(4))
+    tokens = [1, 5, 9, 2]
+    save_target(old, tmp_path, max_shard_bytes=4000)
+    save_target(new, tmp_path)  # unsharded: the old shards and their index must go
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(_logits(load_target(tmp_path), tokens), _logits(new, tokens))
+    with pytest.raises(ValueError, match="max_shard_bytes=0 is invalid"):
+        save_target(new, tmp_path, max_shard_bytes=0)
+
+
 def test_saved_linear_weights_use_the_out_in_layout(tmp_path):
     target = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
     save_target(target, tmp_path)

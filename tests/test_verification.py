@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -11,7 +12,15 @@ import pytest
 
 from dspark_jax.proposal import DraftBlock
 from dspark_jax.sampling import TOP_K_ALL
-from dspark_jax.verification import accept, accept_with_noise, apply_top_k_top_p, schedule_verify_lengths
+from dspark_jax.verification import (
+    accept,
+    accept_with_noise,
+    apply_top_k_top_p,
+    required_filter_width,
+    sample_tokens,
+    schedule_verify_lengths,
+    target_probs,
+)
 
 
 # ---------------------------------------------------------------- NumPy references
@@ -83,6 +92,71 @@ def test_top_k_top_p_matches_reference_with_ties():
     want = np.stack([_ref_top_k_top_p(probs[i], int(ks[i]), float(ps[i])) for i in range(200)])
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert ((got > 0).sum(-1) >= 1).all()
+
+
+def test_partial_ranking_width_matches_reference_with_ties():
+    rng = np.random.default_rng(4)
+    v, width = 40, 8
+    raw = rng.integers(1, 5, size=(300, v)).astype(np.float32)  # many exact ties
+    raw[:30, :10] = 0.0
+    probs = raw / raw.sum(-1, keepdims=True)
+    ks = rng.choice([1, 2, 5, 8, TOP_K_ALL], size=300)
+    ps = rng.choice([0.05, 0.4, 0.77, 1.0], size=300)
+    ps[ks == TOP_K_ALL] = 1.0  # rows without top-k must not restrict (their ranks would exceed the width)
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32), width=width))
+    want = np.stack([_ref_top_k_top_p(probs[i], int(ks[i]), float(ps[i])) for i in range(300)])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    keep_all = ks == TOP_K_ALL
+    np.testing.assert_array_equal(got[keep_all], probs[keep_all])  # returned unchanged, not renormalised
+
+
+def test_required_filter_width_counts_only_restricting_sampling_rows():
+    v = 2048
+    width = functools.partial(required_filter_width, vocab_size=v)
+    assert width([1.0, 0.7], [TOP_K_ALL, v], [1.0, 1.0]) == 0  # nothing restricts: no ranking
+    assert width([0.0, 1.0, 1.0], [TOP_K_ALL, 1, TOP_K_ALL], [0.5, 0.5, 1.0]) == 0  # greedy rows never count
+    assert width([1.0, 1.0, 1.0], [3, 50, TOP_K_ALL], [1.0, 0.9, 1.0]) == 64  # power of two >= the largest top-k
+    assert width([1.0], [64], [1.0]) == 64
+    assert width([1.0], [2000], [1.0]) == v  # capped at V
+    assert width([1.0, 1.0], [5, TOP_K_ALL], [1.0, 0.95]) == v  # top-p alone ranks the whole vocabulary
+
+
+def test_fast_path_matches_filtered_path_without_top_k_top_p():
+    """``filter_width=0`` (no sort) must give exactly what the full ranking gives when nothing restricts."""
+    rng = np.random.default_rng(5)
+    b, gamma, v = 64, 4, 11
+    greedy = rng.random(b) < 0.2
+    temps = np.where(greedy, 0.0, rng.choice([0.5, 1.0, 1.7], size=b)).astype(np.float32)
+    ks = np.where(greedy, rng.choice([1, TOP_K_ALL], size=b), rng.choice([v, v + 3, TOP_K_ALL], size=b))
+    ps = np.where(greedy, rng.choice([0.3, 1.0], size=b), 1.0).astype(np.float32)
+    assert required_filter_width(temps, ks, ps, v) == 0
+    logits = 2 * rng.standard_normal((b, gamma + 1, v))
+    corrected = logits[:, :gamma] + rng.standard_normal((b, gamma, v))  # close to p: long accepted runs
+    drafts = logits[:, :gamma].argmax(-1)
+    block = _block(drafts, corrected, greedy, temps)
+
+    @jax.jit
+    def both_paths(logits, block, top_k, top_p, key):  # one compilation for both variants
+        out = []
+        for width in (0, None):
+            n, bonus = accept(logits, block, top_k=top_k, top_p=top_p, key=key, filter_width=width)
+            first = logits[:, 0]  # [B, V] as in plain decoding
+            probs = target_probs(first, block.temperatures, top_k, top_p, filter_width=width)
+            out.append(
+                (n, bonus, probs, sample_tokens(first, block.temperatures, top_k, top_p, key, filter_width=width))
+            )
+        return out
+
+    fast, full = both_paths(
+        jnp.asarray(logits, jnp.float32), block, jnp.asarray(ks, jnp.int32), jnp.asarray(ps), jax.random.key(3)
+    )
+    for name, f, g in zip(("correct_len", "bonus", "probs", "sampled"), fast, full, strict=True):
+        f, g = np.asarray(f), np.asarray(g)
+        if name == "probs":  # greedy rows never read them (a top_k = 1 row is one-hot only when filtered)
+            f, g = f[~greedy], g[~greedy]
+        np.testing.assert_array_equal(f, g, err_msg=name)
+    n = np.asarray(fast[0])[~greedy]
+    assert (n == 0).any() and (n == gamma).any()  # rejections and full acceptances both occur
 
 
 def test_accept_matches_per_row_reference_with_fixed_noise():

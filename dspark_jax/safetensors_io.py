@@ -1,0 +1,106 @@
+"""Safetensors checkpoint files shared by the draft and target checkpoints.
+
+A checkpoint folder holds its tensors in one ``model.safetensors`` or in shards
+``model-XXXXX-of-YYYYY.safetensors`` listed by ``model.safetensors.index.json``
+(``{"metadata": {"total_size": …}, "weight_map": {tensor name: shard file}}``), the
+Hugging Face layout. Tensor naming is the callers' business
+(:mod:`dspark_jax.checkpoint`, :mod:`dspark_jax.target`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_index(folder: str) -> dict[str, list[str]] | None:
+    """The shards an index lists, with the tensor names it maps to each.
+
+    Args:
+      folder: the checkpoint folder.
+
+    Returns:
+      ``{shard path: [tensor name, …]}`` in index order, or ``None`` when the folder has
+      no ``model.safetensors.index.json``.
+
+    Raises:
+      ValueError: the index has no ``weight_map``, or lists a shard that does not exist.
+    """
+    index_path = os.path.join(folder, INDEX_NAME)
+    if not os.path.isfile(index_path):
+        return None
+    with open(index_path) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path} has no 'weight_map' dict naming the tensors and their shard files")
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(os.path.join(folder, shard), []).append(name)
+    for path in shards:
+        if not os.path.isfile(path):
+            raise ValueError(f"{index_path} lists shard {os.path.basename(path)!r}, which does not exist")
+    return shards
+
+
+def _stale_files(folder: str) -> list[str]:
+    patterns = (WEIGHTS_NAME, INDEX_NAME, "model-*-of-*.safetensors")
+    return sorted({p for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))})
+
+
+def write_tensors(folder: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int | None = None) -> list[str]:
+    """Writes ``tensors`` as one ``model.safetensors`` or as indexed shards.
+
+    Checkpoint files already in the folder (``model.safetensors``, its index and
+    ``model-*-of-*.safetensors`` shards) are replaced.
+
+    Args:
+      folder: the folder (created if needed).
+      tensors: name → contiguous array.
+      max_shard_bytes: split the tensors, in name order, into shards of at most this many
+        bytes (a larger tensor gets a shard of its own) listed by
+        ``model.safetensors.index.json``; ``None`` writes one ``model.safetensors``.
+
+    Returns:
+      The names of the safetensors files written.
+
+    Raises:
+      ValueError: ``max_shard_bytes`` is not a positive integer or ``None`` (nothing is
+        written).
+    """
+    if max_shard_bytes is not None and (
+        isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1
+    ):
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be an integer >= 1 or None")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+
+    os.makedirs(folder, exist_ok=True)
+    for stale in _stale_files(folder):
+        os.remove(stale)
+    if max_shard_bytes is None:
+        files = [WEIGHTS_NAME]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+            "weight_map": {name: file for file, shard in zip(files, shards, strict=True) for name in shard},
+        }
+        with open(os.path.join(folder, INDEX_NAME), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    for file, shard in zip(files, shards, strict=True):
+        save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+    return files
