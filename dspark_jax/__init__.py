@@ -74,6 +74,7 @@ _EXPORTS = {
     "accept_with_noise": "dspark_jax.verification",
     "apply_top_k_top_p": "dspark_jax.verification",
     "target_probs": "dspark_jax.verification",
+    "required_filter_width": "dspark_jax.verification",
     "sample_tokens": "dspark_jax.verification",
     "schedule_verify_lengths": "dspark_jax.verification",
     "commit": "dspark_jax.cache",

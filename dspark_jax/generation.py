@@ -8,14 +8,14 @@ prefill, draft context prefill, the first target token) and then ONE compiled ca
 round: propose ``d_1 … d_γ`` from the bonus, verify ``[bonus, d_1 … d_γ]`` with the
 target, accept, and commit the accepted positions into the draft context cache, all
 inside one ``jax.jit`` with the decode state (both caches) donated. The Python loop
-between rounds only reads the ``[B]`` done flags, one round behind (:func:`_host_loop`).
-With ``device_loop=True`` the rounds run in a ``lax.while_loop`` instead: two compiled
-calls for the whole generation. :func:`generate` (the baseline) runs one compiled call
-to start and one per token (or one ``while_loop`` for all tokens with ``device_loop=True``).
+between rounds only reads the ``[B]`` done flags. With ``device_loop=True`` the rounds run
+in a ``lax.while_loop`` instead: two compiled calls for the whole generation.
+:func:`generate` (the baseline) runs one compiled call to start and one per token (or
+one ``while_loop`` for all tokens with ``device_loop=True``).
 
 Each batch compiles one variant of these calls, chosen on the host from its requests
 (:func:`_variant`): all-greedy (no noise, no probabilities); sampling without top-k /
-top-p (no vocabulary sort); sampling with top-k / top-p over a static number of ranks
+top-p (no vocabulary sort); or sampling with top-k / top-p over a static number of ranks
 (the power of two covering the largest top-k, or the whole vocabulary for top-p alone).
 
 Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
@@ -272,34 +272,8 @@ class _Program(NamedTuple):
     """The compiled calls of one decoding variant (:func:`_speculative_program`, :func:`_plain_program`)."""
 
     start: Callable  # (target, [draft,] tokens, lengths, requests, key, *, capacity, out_len) -> state
-    step: Callable  # (target, [draft,] state, requests) -> (state, done [B]); state donated
+    step: Callable  # (target, [draft,] state, requests) -> state; state donated
     loop: Callable  # (target, [draft,] state, requests, max_steps) -> (state, steps); state donated
-
-
-def _host_loop(step: Callable, state: Any, max_steps: int) -> tuple[Any, int]:
-    """Calls ``step`` until every row is done or ``max_steps`` calls ran; returns ``(state, calls)``.
-
-    One call stays in flight: call ``r + 1`` is dispatched before the host waits for the
-    done flags of call ``r``, so the device never idles while the host dispatches. When
-    those flags show every row done, call ``r + 1`` ran over finished rows only, which
-    changes nothing (their cache writes, outputs and statistics are masked); it is not
-    counted.
-
-    Args:
-      step: ``state -> (state, done [B])`` with ``state`` donated.
-      state: the state after the start call.
-      max_steps: the most calls to count.
-    """
-    if max_steps < 1 or np.asarray(state.done).all():
-        return state, 0
-    state, done = step(state)
-    calls = 1
-    while calls < max_steps:
-        state, next_done = step(state)
-        if np.asarray(done).all():
-            break
-        done, calls = next_done, calls + 1
-    return state, calls
 
 
 # ------------------------------------------------------------------ speculative
@@ -417,13 +391,12 @@ def _round(
     sampling,
     filter_width,
     feature_layers,
-) -> tuple[DecodeState, jax.Array]:
-    """One round, one compiled call; also returns the done flags ``[B]`` apart from the donated state."""
+) -> DecodeState:
+    """One round, one compiled call (the host loop reads the done flags in between)."""
     target, draft = _merge(target_def, target_state), _merge(draft_def, draft_state)
-    state = _round_step(
+    return _round_step(
         target, draft, state, requests, sampling=sampling, filter_width=filter_width, feature_layers=feature_layers
     )
-    return state, state.done
 
 
 def _all_rounds(
@@ -550,7 +523,10 @@ def speculative_generate(
     if device_loop:
         state, rounds = program.loop(target_state, draft_state, state, requests, jnp.int32(max_rounds))
         return _result(state, max_new, requests, int(rounds), started)
-    state, rounds = _host_loop(lambda s: program.step(target_state, draft_state, s, requests), state, max_rounds)
+    rounds = 0
+    while rounds < max_rounds and not np.asarray(state.done).all():
+        state = program.step(target_state, draft_state, state, requests)
+        rounds += 1
     return _result(state, max_new, requests, rounds, started)
 
 
@@ -636,9 +612,8 @@ def _plain_token(target, state: _PlainState, requests: Requests, sampling: bool,
     )
 
 
-def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling, filter_width):
-    state = _plain_token(_merge(target_def, target_state), state, requests, sampling, filter_width)
-    return state, state.done
+def _plain_step(target_state, state: _PlainState, requests, *, target_def, sampling, filter_width) -> _PlainState:
+    return _plain_token(_merge(target_def, target_state), state, requests, sampling, filter_width)
 
 
 def _plain_all_steps(target_state, state: _PlainState, requests, max_steps, *, target_def, sampling, filter_width):
@@ -709,7 +684,10 @@ def generate(
         state, steps = program.loop(target_state, state, requests, jnp.int32(max_steps))
         steps = int(steps)
     else:
-        state, steps = _host_loop(lambda s: program.step(target_state, s, requests), state, max_steps)
+        steps = 0
+        while steps < max_steps and not np.asarray(state.done).all():
+            state = program.step(target_state, state, requests)
+            steps += 1
     tokens = _cut(np.asarray(state.out), np.asarray(state.n_out), max_new, np.asarray(requests.stop))
     return GenerationResult(
         tokens=tokens,

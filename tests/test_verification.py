@@ -88,7 +88,7 @@ def test_top_k_top_p_matches_reference_with_ties():
     probs = raw / raw.sum(-1, keepdims=True)
     ks = rng.choice([1, 2, 3, 5, 9, TOP_K_ALL], size=200)
     ps = rng.choice([0.05, 0.3, 0.5, 0.77, 0.9, 1.0], size=200)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32)))
+    got = np.asarray(jax.jit(apply_top_k_top_p)(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32)))
     want = np.stack([_ref_top_k_top_p(probs[i], int(ks[i]), float(ps[i])) for i in range(200)])
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert ((got > 0).sum(-1) >= 1).all()
@@ -103,7 +103,8 @@ def test_partial_ranking_width_matches_reference_with_ties():
     ks = rng.choice([1, 2, 5, 8, TOP_K_ALL], size=300)
     ps = rng.choice([0.05, 0.4, 0.77, 1.0], size=300)
     ps[ks == TOP_K_ALL] = 1.0  # rows without top-k must not restrict (their ranks would exceed the width)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32), width=width))
+    restrict = jax.jit(apply_top_k_top_p, static_argnames="width")  # one compilation instead of one per op
+    got = np.asarray(restrict(jnp.asarray(probs), jnp.asarray(ks), jnp.asarray(ps, jnp.float32), width=width))
     want = np.stack([_ref_top_k_top_p(probs[i], int(ks[i]), float(ps[i])) for i in range(300)])
     np.testing.assert_allclose(got, want, atol=1e-6)
     keep_all = ks == TOP_K_ALL
