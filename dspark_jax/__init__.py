@@ -103,6 +103,8 @@ _EXPORTS = {
     "compare_drafts": "dspark_jax.evaluate",
     "heldout_prompts": "dspark_jax.evaluate",
     "load_bundled": "dspark_jax.bundled",
+    # performance (issue 6): the draft's copy-free context attention
+    "attend_with_context": "dspark_jax.layers",
 }
 
 

@@ -177,18 +177,9 @@ class DSparkDraft(nnx.Module):
             x = self.embed(input_ids)
         else:
             raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
-        rows = x.shape[1]
         # Non-causal: every block row sees every valid context key and the whole block.
-        mask = jnp.concatenate([ctx_mask, jnp.ones((ctx_mask.shape[0], rows), bool)], axis=1)
-        mask = jnp.broadcast_to(mask[:, None, :], (x.shape[0], rows, mask.shape[1]))  # [B, R, C+R]
         for i, layer in enumerate(self.layers):
-
-            def kv_fn(k, v, i=i):
-                keys = jnp.concatenate([ctx_k[i].astype(k.dtype), k], axis=1)
-                values = jnp.concatenate([ctx_v[i].astype(v.dtype), v], axis=1)
-                return keys, values, mask
-
-            x = layer(x, positions, kv_fn)
+            x = layer.with_context(x, positions, ctx_k[i].astype(x.dtype), ctx_v[i].astype(x.dtype), ctx_mask)
         return self.norm(x)
 
     def slots(self, hidden: jax.Array) -> jax.Array:

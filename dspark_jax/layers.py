@@ -80,6 +80,69 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, s, nh * d)
 
 
+def attend_with_context(
+    q: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    ctx_mask: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+) -> jax.Array:
+    """Block queries over context keys plus the block's own keys, without concatenating them.
+
+    Equals ``attend(q, [ctx_k ; k], [ctx_v ; v], mask)`` with every block key visible, but
+    never copies the context: its two matmuls read the cache in its own ``[B, C, KVH·D]``
+    layout, each query head meeting only its KV head's columns through a block-diagonal
+    query (KVH times the arithmetic of the context part, which is bandwidth-bound; a
+    grouped einsum would first transpose the whole context to ``[B, KVH, C, D]``). The
+    context and block scores share one float32 softmax.
+
+    Args:
+      q: ``[B, S, NH, D]``.
+      ctx_k, ctx_v: ``[B, C, KVH, D]``.
+      ctx_mask: ``[B, C]``, True where a query may see a context key.
+      k, v: ``[B, S, KVH, D]`` the block's own keys and values (always visible).
+
+    Returns:
+      ``[B, S, NH * D]`` in ``q.dtype``.
+    """
+    b, s, nh, d = q.shape
+    c, kvh = ctx_k.shape[1], ctx_k.shape[2]
+    g = nh // kvh
+    scale = d**-0.5
+    qg = q.reshape(b, s, kvh, g, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, S, D]
+    eye = jnp.eye(kvh, dtype=q.dtype)
+    q_diag = qg[:, :, :, :, None, :] * eye[None, :, None, None, :, None]  # [B, KVH, G, S, KVH, D]
+    q_diag = q_diag.reshape(b, kvh * g * s, kvh * d)
+    ctx_scores = jnp.einsum(
+        "bqe,bce->bqc",
+        q_diag,
+        ctx_k.reshape(b, c, kvh * d),
+        preferred_element_type=jnp.float32,
+    ).reshape(b, kvh, g, s, c)  # [B, KVH, G, S, C]
+    ctx_scores = jnp.where(ctx_mask[:, None, None, None, :], ctx_scores * scale, -jnp.inf)
+    own_scores = jnp.einsum("bkgsd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale  # [B, KVH, G, S, S]
+    top = jnp.maximum(ctx_scores.max(-1), own_scores.max(-1))[..., None]  # finite: the block is visible
+    ctx_p = jnp.exp(ctx_scores - top)
+    own_p = jnp.exp(own_scores - top)
+    denom = ctx_p.sum(-1) + own_p.sum(-1)  # [B, KVH, G, S]
+    ctx_out = jnp.einsum(
+        "bqc,bce->bqe",
+        ctx_p.reshape(b, kvh * g * s, c).astype(ctx_v.dtype),
+        ctx_v.reshape(b, c, kvh * d),
+        preferred_element_type=jnp.float32,
+    ).reshape(b, kvh, g, s, kvh, d)
+    ctx_out = jnp.einsum("bkgsjd,kj->bkgsd", ctx_out, eye.astype(jnp.float32))  # each head's own KV head
+    own_out = jnp.einsum(
+        "bkgst,btkd->bkgsd",
+        own_p.astype(v.dtype),
+        v,
+        preferred_element_type=jnp.float32,
+    )
+    out = (ctx_out + own_out) / denom[..., None]  # [B, KVH, G, S, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)
+
+
 def _linear(din: int, dout: int, *, bias: bool, cfg, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
         din,
@@ -166,5 +229,35 @@ class DecoderLayer(nnx.Module):
         q = self.self_attn.query(a, positions)
         k, v = self.self_attn.key_value(a, positions)
         keys, values, mask = kv_fn(k, v)
-        x = x + self.self_attn.o_proj(attend(q, keys, values, mask))
+        return self._residual(x, attend(q, keys, values, mask))
+
+    def with_context(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        ctx_k: jax.Array,
+        ctx_v: jax.Array,
+        ctx_mask: jax.Array,
+    ) -> jax.Array:
+        """Runs the layer for block rows over context keys and the whole block (the draft).
+
+        Same as :meth:`__call__` with a ``kv_fn`` that prepends the context, without
+        copying the context (:func:`attend_with_context`).
+
+        Args:
+          x: ``[B, S, H]`` residual stream.
+          positions: ``[B, S]``.
+          ctx_k, ctx_v: ``[B, C, KVH, D]`` this layer's context keys and values.
+          ctx_mask: ``[B, C]`` True for visible context positions.
+
+        Returns:
+          ``[B, S, H]``.
+        """
+        a = self.input_layernorm(x)
+        q = self.self_attn.query(a, positions)
+        k, v = self.self_attn.key_value(a, positions)
+        return self._residual(x, attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v))
+
+    def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -181,9 +181,11 @@ def markov_walk(
         return (state, tok), (tok, logits)
 
     steps = jnp.arange(base_logits.shape[1])
+    # Unrolled: γ is small; XLA then fuses across steps and runs no device-side loop.
     _, (tokens, corrected) = jax.lax.scan(
         body,
         (head.init_state(batch), bonus.astype(jnp.int32)),
         (steps, base_logits.swapaxes(0, 1), hidden.swapaxes(0, 1)),
+        unroll=True,
     )
     return tokens.swapaxes(0, 1), corrected.swapaxes(0, 1)
