@@ -30,6 +30,8 @@ uses ``fold_in(key, b)`` for a single key, or its own key, and step ``k`` folds 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,7 @@ _KEY_HELP = (
 )
 
 
+@functools.cache
 def _raw_key_size() -> int:
     """Length of a raw key of the default PRNG implementation (2 for threefry)."""
     return int(jax.random.key_data(jax.random.key(0)).shape[-1])
