@@ -16,7 +16,7 @@ from flax import nnx
 
 from dspark_jax.cache import context_mask
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.layers import RMSNorm, attend, rope
+from dspark_jax.layers import RMSNorm, attend, attend_with_context, rope
 from dspark_jax.markov import markov_walk
 
 TOL = 1e-5
@@ -76,6 +76,20 @@ def test_attend_grouped_query_matches_reference_with_masked_keys():
     mask[..., 0] = True  # every query sees at least one key
     got = attend(_f32(q), _f32(k), _f32(v), jnp.asarray(mask))
     assert rel_err(got, ref.gqa_attention(q, k, v, mask)) <= TOL
+
+
+def test_attend_with_context_matches_reference_over_context_then_block():
+    rng = _rng(5)
+    b, s, c, nh, kvh, d = 2, 3, 7, 4, 2, 8
+    q = rng.standard_normal((b, s, nh, d))
+    ctx_k, ctx_v = rng.standard_normal((2, b, c, kvh, d))
+    k, v = rng.standard_normal((2, b, s, kvh, d))
+    ctx_mask = rng.random((b, c)) < 0.6
+    ctx_mask[1] = False  # a request with an empty context still sees its own block
+    got = attend_with_context(_f32(q), _f32(ctx_k), _f32(ctx_v), jnp.asarray(ctx_mask), _f32(k), _f32(v))
+    visible = np.broadcast_to(np.concatenate([ctx_mask, np.ones((b, s), bool)], axis=1)[:, None], (b, s, c + s))
+    want = ref.gqa_attention(q, np.concatenate([ctx_k, k], 1), np.concatenate([ctx_v, v], 1), visible)
+    assert rel_err(got, want) <= TOL
 
 
 def test_attend_gives_zeros_to_a_query_that_sees_no_key():
