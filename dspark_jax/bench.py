@@ -46,6 +46,7 @@ from flax import nnx
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.presets import load_preset
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
@@ -56,13 +57,14 @@ PATHS = ("folded_greedy", "folded", "jit_static", "proposer", "eager")
 class BenchShapes:
     """Model shapes and measurement sizes of one benchmark preset.
 
-    ``draft`` holds the :class:`DraftConfig` fields; the target shares the hidden size,
-    heads, intermediate size and vocabulary and has ``target_layers`` layers.
+    ``preset`` names a draft config in ``configs/`` (read with ``dtype`` for weights and
+    compute); the target shares the draft's hidden size, heads, intermediate size and
+    vocabulary and has the preset's ``num_target_layers`` layers.
     """
 
     name: str
-    draft: dict[str, Any]
-    target_layers: int
+    preset: str
+    dtype: str
     context: int
     ceiling_bytes: int
     matmul_size: int
@@ -75,26 +77,8 @@ SHAPES = {
     # The released dspark_qwen3_8b_block7 draft (bf16, vanilla head, confidence head).
     "8b": BenchShapes(
         name="8b",
-        draft=dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=5,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            block_size=7,
-            mask_token_id=151669,
-            target_layer_ids=(1, 9, 17, 25, 33),
-            num_target_layers=36,
-            markov_rank=256,
-            markov_head_type="vanilla",
-            enable_confidence_head=True,
-            confidence_head_with_markov=True,
-            dtype="bfloat16",
-            param_dtype="bfloat16",
-        ),
-        target_layers=36,
+        preset="dspark_qwen3_8b_block7",
+        dtype="bfloat16",
         context=1024,
         ceiling_bytes=2 << 30,
         matmul_size=8192,
@@ -105,26 +89,8 @@ SHAPES = {
     # Seconds on a CPU: the CI smoke run.
     "tiny": BenchShapes(
         name="tiny",
-        draft=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=512,
-            block_size=7,
-            mask_token_id=511,
-            target_layer_ids=(0, 1, 2),
-            num_target_layers=4,
-            markov_rank=16,
-            markov_head_type="vanilla",
-            enable_confidence_head=True,
-            confidence_head_with_markov=True,
-            dtype="float32",
-            param_dtype="float32",
-        ),
-        target_layers=4,
+        preset="tiny",
+        dtype="float32",
         context=32,
         ceiling_bytes=8 << 20,
         matmul_size=128,
@@ -137,22 +103,22 @@ SHAPES = {
 
 def draft_config(shapes: BenchShapes) -> DraftConfig:
     """The benchmark draft's config."""
-    return DraftConfig(**shapes.draft)
+    return load_preset(shapes.preset, dtype=shapes.dtype, param_dtype=shapes.dtype)
 
 
 def target_config(shapes: BenchShapes, num_layers: int | None = None) -> TargetConfig:
     """A Qwen3 target of the draft's width with ``num_layers`` (default the preset's) layers."""
-    d = shapes.draft
+    d = draft_config(shapes)
     return TargetConfig(
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_hidden_layers=num_layers or shapes.target_layers,
-        num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d["num_key_value_heads"],
-        head_dim=d["head_dim"],
-        vocab_size=d["vocab_size"],
-        dtype=d["dtype"],
-        param_dtype=d["param_dtype"],
+        hidden_size=d.hidden_size,
+        intermediate_size=d.intermediate_size,
+        num_hidden_layers=num_layers or d.num_target_layers,
+        num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads,
+        head_dim=d.head_dim,
+        vocab_size=d.vocab_size,
+        dtype=d.dtype,
+        param_dtype=d.param_dtype,
     )
 
 
@@ -938,7 +904,7 @@ def run(args: argparse.Namespace) -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": "dspark-jax bench " + " ".join(sys.argv[1:]),
             "shapes": shapes.name,
-            "draft": {k: list(v) if isinstance(v, tuple) else v for k, v in shapes.draft.items()},
+            "draft": draft_config(shapes).to_hf_config(),
             "context": shapes.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax": jax.__version__,
@@ -997,7 +963,10 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
     if args.e2e:
         try:
             result["e2e"] = bench_e2e(
-                shapes, target_layers=args.e2e_layers or shapes.target_layers, tau=args.tau, rounds=shapes.e2e_steps
+                shapes,
+                target_layers=args.e2e_layers or draft_config(shapes).num_target_layers,
+                tau=args.tau,
+                rounds=shapes.e2e_steps,
             )
         except Exception as err:  # noqa: BLE001 - keep the measurements above when the e2e stage fails
             result["e2e"] = {"error": repr(err)}
