@@ -105,6 +105,9 @@ _EXPORTS = {
     "load_bundled": "dspark_jax.bundled",
     # performance (issue 6): the draft's copy-free context attention
     "attend_with_context": "dspark_jax.layers",
+    "attend_block": "dspark_jax.attention_kernel",
+    "context_attention": "dspark_jax.attention_kernel",
+    "ATTENTION_ENV": "dspark_jax.attention_kernel",
 }
 
 

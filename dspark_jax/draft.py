@@ -11,10 +11,13 @@ that shares them keeps one copy in memory.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.attention_kernel import attend_block, use_kernel
 from dspark_jax.config import DraftConfig
 from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.markov import MarkovHead, make_markov_head
@@ -158,6 +161,7 @@ class DSparkDraft(nnx.Module):
         ctx_v: jax.Array,
         ctx_mask: jax.Array,
         input_embeds: jax.Array | None = None,
+        prefix_lens: jax.Array | None = None,
     ) -> jax.Array:
         """Runs the backbone over one block.
 
@@ -167,6 +171,10 @@ class DSparkDraft(nnx.Module):
           ctx_k, ctx_v: ``[L, B, C, KVH, D]`` context keys/values.
           ctx_mask: ``[B, C]`` True for context positions the block may see.
           input_embeds: ``[B, R, H]``; used instead of ``input_ids`` when given.
+          prefix_lens: ``[B]`` context lengths, when ``ctx_mask`` is ``arange(C) < prefix_lens``
+            (the cache of a proposal); lets the GPU kernel
+            (:mod:`dspark_jax.attention_kernel`) read the cache in place and skip the
+            positions past ``prefix_len``.
 
         Returns:
           ``[B, R, H]`` hidden states after the final norm.
@@ -178,8 +186,22 @@ class DSparkDraft(nnx.Module):
         else:
             raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
         # Non-causal: every block row sees every valid context key and the whole block.
+        kernel, interpret = False, False
+        if prefix_lens is not None and ctx_k.dtype == x.dtype:
+            kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
         for i, layer in enumerate(self.layers):
-            x = layer.with_context(x, positions, ctx_k[i].astype(x.dtype), ctx_v[i].astype(x.dtype), ctx_mask)
+            if kernel:
+                attend = functools.partial(
+                    attend_block,
+                    cache_k=ctx_k,
+                    cache_v=ctx_v,
+                    prefix_lens=prefix_lens,
+                    layer=i,
+                    interpret=interpret,
+                )
+                x = layer.with_attention(x, positions, attend)
+            else:
+                x = layer.with_context(x, positions, ctx_k[i].astype(x.dtype), ctx_v[i].astype(x.dtype), ctx_mask)
         return self.norm(x)
 
     def slots(self, hidden: jax.Array) -> jax.Array:

@@ -253,10 +253,24 @@ class DecoderLayer(nnx.Module):
         Returns:
           ``[B, S, H]``.
         """
+        return self.with_attention(x, positions, lambda q, k, v: attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v))
+
+    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn) -> jax.Array:
+        """Runs the layer with a caller-supplied attention over the block's own keys and more.
+
+        Args:
+          x: ``[B, S, H]`` residual stream.
+          positions: ``[B, S]``.
+          attend_fn: ``(q [B, S, NH, D], k, v [B, S, KVH, D]) -> [B, S, NH·D]``, given this
+            layer's roped queries and the block's own roped keys and values.
+
+        Returns:
+          ``[B, S, H]``.
+        """
         a = self.input_layernorm(x)
         q = self.self_attn.query(a, positions)
         k, v = self.self_attn.key_value(a, positions)
-        return self._residual(x, attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v))
+        return self._residual(x, attend_fn(q, k, v))
 
     def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         x = x + self.self_attn.o_proj(attn)

@@ -230,6 +230,7 @@ def _draft_slots(
         ctx_v=cache.v,
         ctx_mask=context_mask(prefix_lens, cache.capacity),
         input_embeds=input_embeds,
+        prefix_lens=prefix_lens,
     )  # [B, R, H]
     slot_hidden = draft.slots(hidden)  # [B, γ, H]
     return slot_hidden, draft.base_logits(slot_hidden)

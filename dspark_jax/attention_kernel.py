@@ -1,0 +1,232 @@
+"""Fused context attention for the draft block: one Pallas (Triton) kernel per layer on GPUs.
+
+Shape legend: B batch, S block rows, NH query heads, KVH key/value heads, G = NH / KVH,
+D head dim, C cache capacity, L draft layers, M = G·S query rows per KV head padded to a
+power of two (at least 16, the smallest tile a tensor-core product takes).
+
+The draft's block queries attend over each request's first ``prefix_len`` context keys and
+over the block's own keys, under one softmax. :func:`context_attention` does the context
+part in one kernel launch per layer: program ``(b, h)`` holds the ``M`` query rows of KV head
+``h`` of request ``b`` and walks that request's context in chunks of ``block_c`` keys with an
+online (flash) softmax, reading the cache where it lies (``[L, B, C, KVH, D]``: no copy, no
+transpose, no ``[B, NH, S, C]`` score tensor in memory) and stopping at ``prefix_len``, so
+unused capacity is never read. It returns the unnormalised output with its running max and
+sum; :func:`merge_own_keys` adds the block's own keys (``S`` of them, always visible) and
+normalises, in float32.
+
+Chunks never read past the capacity: chunk ``j`` loads keys ``[min(j·c, C − c), … + c)`` and
+masks out every position below ``j·c`` (already counted) or at or past ``prefix_len``.
+
+:func:`kernel_supported` says when the kernel applies (a bfloat16/float16 cache, ``D`` a
+power of two ≥ 16, ``C`` ≥ 16) and :func:`use_kernel` whether this trace uses it (by default
+on GPU backends only); elsewhere :func:`dspark_jax.layers.attend_with_context` computes the same
+attention with XLA (float32 caches, the CPU). ``interpret=True`` runs the kernel through the Pallas interpreter on any
+backend (the CPU tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
+"""Environment variable choosing the draft's context attention: ``auto`` (default: the
+kernel on GPUs when :func:`kernel_supported`), ``xla`` (never the kernel) or ``pallas``
+(the kernel wherever supported, the Pallas interpreter off GPUs)."""
+
+ATTENTION_CHOICES = ("auto", "xla", "pallas")
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "minus infinity": exp(_NEG - m) == 0, never NaN
+
+
+def attention_choice() -> str:
+    """The value of :data:`ATTENTION_ENV` (``auto`` when unset).
+
+    Raises:
+      ValueError: the variable holds something else.
+    """
+    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={value!r} is invalid: must be one of {ATTENTION_CHOICES}")
+    return value
+
+
+def kernel_supported(dtype, head_dim: int, capacity: int) -> bool:
+    """True when the kernel applies: a 16-bit float cache (tensor-core products; a float32
+    product in Triton would round through tf32), ``head_dim`` a power of two ≥ 16 and
+    ``capacity`` ≥ 16."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return sixteen_bit and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= 16
+
+
+def use_kernel(dtype, head_dim: int, capacity: int) -> tuple[bool, bool]:
+    """``(use the kernel, through the interpreter)`` for this trace, from :func:`attention_choice`."""
+    choice = attention_choice()
+    if choice == "xla" or not kernel_supported(dtype, head_dim, capacity):
+        return False, False
+    on_gpu = jax.default_backend() == "gpu"
+    if choice == "auto":
+        return on_gpu, False
+    return True, not on_gpu
+
+
+def _padded_rows(rows: int) -> int:
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def _block_c(capacity: int) -> int:
+    """Keys per chunk: 64, or the largest power of two ≤ ``capacity`` below that."""
+    return min(64, 1 << (capacity.bit_length() - 1))
+
+
+def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c: int, capacity: int, scale: float):
+    """Program ``(b, h)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [C, D]`` → ``o [M, D]``, ``m``/``l [M]``."""
+    b = pl.program_id(0)
+    prefix = jnp.minimum(lens_ref[b], capacity)
+    q = q_ref[...]  # [M, D]
+    rows, dim = q.shape
+
+    def body(j, carry):
+        o, m, l = carry
+        start = jnp.minimum(j * block_c, capacity - block_c)
+        pos = start + jnp.arange(block_c, dtype=jnp.int32)  # [c]
+        visible = (pos >= j * block_c) & (pos < prefix)
+        k = k_ref[pl.ds(start, block_c), :]  # [c, D]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(visible[None, :], s, _NEG)  # [M, c]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        fix = jnp.exp(m - m_new)
+        v = v_ref[pl.ds(start, block_c), :]  # [c, D]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return fix[:, None] * o + pv, m_new, fix * l + p.sum(axis=-1)
+
+    init = (
+        jnp.zeros((rows, dim), jnp.float32),
+        jnp.full((rows,), _NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, m, l = jax.lax.fori_loop(0, pl.cdiv(prefix, block_c), body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret"))
+def context_attention(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    prefix_lens: jax.Array,
+    *,
+    layer: int,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block queries over layer ``layer``'s context keys ``< prefix_len``, unnormalised.
+
+    Args:
+      q: ``[B, KVH, M, D]`` queries grouped by KV head (pre-scaled by nothing; the kernel
+        applies ``D**-0.5``), ``M`` a power of two ≥ 16.
+      cache_k, cache_v: ``[L, B, C, KVH, D]`` the whole context cache (read in place).
+      prefix_lens: ``[B]`` int32 context lengths (values past ``C`` read all of ``C``).
+      layer: which of the ``L`` layers.
+      interpret: run through the Pallas interpreter (any backend).
+
+    Returns:
+      ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` float32: ``o = Σ exp(s − m)·v``
+      and ``l = Σ exp(s − m)`` over the visible context keys, ``m`` their running max
+      (a large negative finite number and ``o = l = 0`` when none is visible).
+    """
+    b, kvh, rows, d = q.shape
+    capacity = cache_k.shape[2]
+    block_c = _block_c(capacity)
+    kernel = functools.partial(_kernel, block_c=block_c, capacity=capacity, scale=d**-0.5)
+    kv_spec = pl.BlockSpec((None, None, capacity, None, d), lambda i, h: (layer, i, 0, h, 0))
+    row_spec = pl.BlockSpec((None, None, rows), lambda i, h: (i, h, 0))
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, kvh),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, h: (0,)),
+            pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)), row_spec, row_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, rows), jnp.float32),
+        ],
+        interpret=interpret,
+        name="dspark_context_attention",
+        **params,
+    )(prefix_lens.astype(jnp.int32), q, cache_k, cache_v)
+
+
+def merge_own_keys(qg: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Adds the block's own keys to the context part and normalises (float32).
+
+    Args:
+      qg: ``[B, KVH, M, D]`` the grouped queries given to :func:`context_attention`.
+      o, m, l: its outputs.
+      k, v: ``[B, S, KVH, D]`` the block's own keys and values (always visible).
+
+    Returns:
+      ``[B, KVH, M, D]`` float32 attention output.
+    """
+    scale = qg.shape[-1] ** -0.5
+    own = jnp.einsum("bkmd,btkd->bkmt", qg, k, preferred_element_type=jnp.float32) * scale  # [B, KVH, M, S]
+    top = jnp.maximum(m, own.max(-1))  # [B, KVH, M]
+    ctx_w = jnp.exp(m - top)
+    own_p = jnp.exp(own - top[..., None])
+    own_o = jnp.einsum("bkmt,btkd->bkmd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    denom = l * ctx_w + own_p.sum(-1)
+    return (o * ctx_w[..., None] + own_o) / denom[..., None]
+
+
+def attend_block(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    prefix_lens: jax.Array,
+    layer: int,
+    interpret: bool = False,
+) -> jax.Array:
+    """Block attention over context (kernel) plus own keys: ``[B, S, NH, D]`` → ``[B, S, NH·D]``.
+
+    Same function as :func:`dspark_jax.layers.attend_with_context` with
+    ``ctx_mask = arange(C) < prefix_len``.
+
+    Args:
+      q: ``[B, S, NH, D]`` roped, normed queries.
+      k, v: ``[B, S, KVH, D]`` the block's own keys and values.
+      cache_k, cache_v: ``[L, B, C, KVH, D]``.
+      prefix_lens: ``[B]``.
+      layer: the layer's index into the cache.
+      interpret: see :func:`context_attention`.
+
+    Returns:
+      ``[B, S, NH·D]`` in ``q.dtype``.
+    """
+    b, s, nh, d = q.shape
+    kvh = k.shape[2]
+    g = nh // kvh
+    rows = _padded_rows(g * s)
+    qg = q.reshape(b, s, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * s, d)  # [B, KVH, G·S, D]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * s), (0, 0))).astype(cache_k.dtype)
+    o, m, l = context_attention(qg, cache_k, cache_v, prefix_lens, layer=layer, interpret=interpret)
+    out = merge_own_keys(qg, o, m, l, k.astype(qg.dtype), v.astype(qg.dtype))[:, :, : g * s]
+    return out.reshape(b, kvh, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)

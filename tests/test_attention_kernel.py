@@ -1,0 +1,105 @@
+"""The fused context-attention kernel (run through the Pallas interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from np_reference import gqa_attention
+
+from dspark_jax import bench
+from dspark_jax.attention_kernel import (
+    ATTENTION_ENV,
+    attend_block,
+    attention_choice,
+    context_attention,
+    kernel_supported,
+    use_kernel,
+)
+from dspark_jax.presets import load_preset
+from dspark_jax.proposal import propose
+
+
+def _inputs(seed, *, layers, batch, rows, heads, kv_heads, dim, capacity, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (batch, rows, heads, dim), dtype)
+    ck = jax.random.normal(ks[1], (layers, batch, capacity, kv_heads, dim), dtype)
+    cv = jax.random.normal(ks[2], (layers, batch, capacity, kv_heads, dim), dtype)
+    k = jax.random.normal(ks[3], (batch, rows, kv_heads, dim), dtype)
+    v = jax.random.normal(ks[4], (batch, rows, kv_heads, dim), dtype)
+    return q, ck, cv, k, v
+
+
+def _reference(q, ck, cv, k, v, lens, layer):
+    """NumPy float64: attention over [context < prefix_len ; the whole block]."""
+    q, ck, cv, k, v = (np.asarray(a, np.float64) for a in (q, ck, cv, k, v))
+    keys = np.concatenate([ck[layer], k], axis=1)  # [B, C + S, KVH, D]
+    values = np.concatenate([cv[layer], v], axis=1)
+    c, s = ck.shape[2], q.shape[1]
+    visible = np.concatenate([np.arange(c)[None, :] < np.asarray(lens)[:, None], np.ones((len(lens), s), bool)], 1)
+    return gqa_attention(q, keys, values, np.broadcast_to(visible[:, None, :], (q.shape[0], s, c + s)))
+
+
+@pytest.mark.parametrize(
+    ("capacity", "lens", "rows"),
+    [
+        (40, [30, 0, 40], 7),  # chunk 32: the last chunk overlaps the one before it
+        (100, [100, 64, 65], 8),  # several chunks of 64, boundaries at and past a chunk end
+        (16, [3, 16, 999], 5),  # smallest capacity; a length past the capacity reads all of it
+    ],
+)
+def test_attend_block_matches_numpy(capacity, lens, rows):
+    q, ck, cv, k, v = _inputs(capacity, layers=2, batch=3, rows=rows, heads=8, kv_heads=2, dim=16, capacity=capacity)
+    lens = jnp.asarray(lens, jnp.int32)
+    for layer in range(2):
+        got = attend_block(q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=layer, interpret=True)
+        want = _reference(q, ck, cv, k, v, np.minimum(np.asarray(lens), capacity), layer)
+        rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert rel < 1e-5, (layer, rel)
+
+
+def test_context_attention_of_an_empty_context_is_zero():
+    q, ck, cv, _, _ = _inputs(0, layers=1, batch=2, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
+    qg = jnp.pad(q.reshape(2, 4, 1, 4, 16).transpose(0, 2, 3, 1, 4).reshape(2, 1, 16, 16), ((0, 0),) * 4)
+    o, m, l = context_attention(qg, ck, cv, jnp.array([0, 5], jnp.int32), layer=0, interpret=True)
+    assert np.all(np.asarray(o[0]) == 0) and np.all(np.asarray(l[0]) == 0)
+    assert np.all(np.asarray(m[0]) < -1e30) and np.all(np.isfinite(np.asarray(m[0])))
+    assert np.all(np.asarray(l[1]) >= 1.0)  # the row max contributes exp(0) = 1
+
+
+def test_kernel_supported_and_choice(monkeypatch):
+    assert kernel_supported(jnp.bfloat16, 128, 1040)
+    assert not kernel_supported(jnp.float32, 128, 1040)  # Triton would round float32 products through tf32
+    assert not kernel_supported(jnp.bfloat16, 96, 1040)  # tiles need a power-of-two head dim
+    assert not kernel_supported(jnp.bfloat16, 128, 8)
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    assert attention_choice() == "auto"
+    assert use_kernel(jnp.bfloat16, 128, 64) == (jax.default_backend() == "gpu", False)
+    monkeypatch.setenv(ATTENTION_ENV, " Pallas ")
+    assert use_kernel(jnp.bfloat16, 128, 64) == (True, jax.default_backend() != "gpu")
+    assert use_kernel(jnp.float32, 128, 64) == (False, False)
+    monkeypatch.setenv(ATTENTION_ENV, "xla")
+    assert use_kernel(jnp.bfloat16, 128, 64) == (False, False)
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    with pytest.raises(ValueError, match="DSPARK_JAX_ATTENTION='triton' is invalid"):
+        attention_choice()
+
+
+def test_propose_with_the_kernel_matches_the_xla_path(monkeypatch):
+    """The whole round, bf16 tiny draft: same tokens, logits within bf16 rounding."""
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
+    bonus = jnp.array([3, 7, 11, 0], jnp.int32)
+    lens = jnp.array([20, 0, 33, 41], jnp.int32)
+    temps, top_k = bench.sampling_params(4, "mixed")
+    blocks = {}
+    for choice in ("xla", "pallas"):
+        monkeypatch.setenv(ATTENTION_ENV, choice)
+        step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
+        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+    a, b = blocks["xla"], blocks["pallas"]
+    np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
+    la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
+    assert np.linalg.norm(la - lb) / np.linalg.norm(la) < 2e-2
