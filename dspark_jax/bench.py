@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV, attention_choice, use_kernel
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
@@ -756,6 +757,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
             "(floor = max(bytes / elementwise bandwidth, FLOPs / matmul rate); floor_copy uses the copy bandwidth)"
         )
+    meta = result.get("meta", {})
+    if "attention" in meta:
+        kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"
+        lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -873,6 +878,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default=None,
+        help=f"the draft's context attention (sets {ATTENTION_ENV}; default: the environment's, else auto)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -882,6 +893,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs the benchmark described by parsed ``args``; prints the table, writes JSON."""
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    if args.attention:
+        os.environ[ATTENTION_ENV] = args.attention  # the compile subprocesses inherit it
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters
@@ -940,10 +953,15 @@ def _save(path: str | None, result: dict[str, Any]) -> None:
 
 def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
     device = jax.devices()[0]
-    result["meta"].update(backend=jax.default_backend(), device=device.device_kind)
+    cfg = draft_config(shapes)
+    result["meta"].update(
+        backend=jax.default_backend(),
+        device=device.device_kind,
+        attention=attention_choice(),
+        attention_kernel=use_kernel(cfg.jnp_dtype, cfg.head_dim, shapes.context + 2 * cfg.num_query_rows)[0],
+    )
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
     _save(args.out, result)
-    cfg = draft_config(shapes)
     graphdef, state = build_draft(cfg)
     result["propose"], result["memory"] = bench_propose(
         cfg,
