@@ -120,19 +120,43 @@ def free_device_bytes(device: Any = None) -> int | None:
         return None
 
 
-def executable_bytes(compiled: Any) -> int | None:
-    """Temporary plus output bytes of a compiled executable, or None if not reported.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
-    """
+def _temp_and_output(compiled: Any) -> tuple[int, int] | None:
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError, AttributeError):
         return None
     if stats is None:
         return None
-    return int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+    return int(stats.temp_size_in_bytes), int(stats.output_size_in_bytes)
+
+
+def executable_bytes(compiled: Any) -> int | None:
+    """Temporary plus output bytes of a compiled executable, or None if not reported.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+    """
+    parts = _temp_and_output(compiled)
+    return None if parts is None else sum(parts)
+
+
+def sampling_extra_bytes(sampling: Any, greedy: Any) -> int | None:
+    """What the sampling executable needs beyond the greedy-only one, per XLA's memory analysis.
+
+    The outputs' difference (the ``[B, γ, V]`` float32 corrected logits) plus the
+    temporaries' difference when positive: XLA's buffer assignment can give the larger
+    program a smaller scratch area, and that must not cancel the outputs it allocates.
+
+    Args:
+      sampling, greedy: the two compiled rounds of one bucket.
+
+    Returns:
+      Bytes (≥ 0), or None when either executable reports no memory analysis.
+    """
+    s, g = _temp_and_output(sampling), _temp_and_output(greedy)
+    if s is None or g is None:
+        return None
+    return max(s[1] - g[1], 0) + max(s[0] - g[0], 0)
 
 
 def plan_folded_sampling(

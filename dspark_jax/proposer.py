@@ -52,8 +52,8 @@ from dspark_jax.memory_gate import (
     GIB,
     FoldedSampling,
     GateDecision,
-    executable_bytes,
     plan_folded_sampling,
+    sampling_extra_bytes,
 )
 from dspark_jax.proposal import DraftBlock, propose, run_eager, validate_proposal_inputs
 from dspark_jax.sampling import TOP_K_ALL
@@ -339,9 +339,7 @@ class Proposer:
             jobs[top, True] = self._lower_folded(top, True)
         self._compile_many(jobs, self._folded, workers)
         if measure:
-            sampled = executable_bytes(self._folded[top, True])
-            greedy = executable_bytes(self._folded[top, False])
-            extra = None if sampled is None or greedy is None else max(sampled - greedy, 0)
+            extra = sampling_extra_bytes(self._folded[top, True], self._folded[top, False])
             self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
             if not self.gate.enabled:
                 del self._folded[top, True]

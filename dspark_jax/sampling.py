@@ -14,18 +14,36 @@ increasing and ``log q_v = logits_v / T - logsumexp(logits / T)`` differs from
 arithmetic, and the log form needs no softmax pass over ``V`` and cannot overflow
 ``exp``. ``-log E`` is a standard Gumbel variable, so this is also the Gumbel-max trick.
 
-``E = -log U`` with ``U`` uniform on ``[tiny, 1)``: ``E`` is strictly positive and finite,
-so no token wins by a zero draw (``jax.random.exponential`` can return exactly 0, which
-at ``V = 151936`` happens in about 2 % of rows per step and would pick a uniformly random
-token).
+Noise generator (:func:`log_exponential_noise`): a row's key is two 32-bit words
+``(k0, k1) = key_data(key)`` of a Threefry-2x32 key. With ``P = ⌈V / 2⌉``, token ``i < P``
+and token ``i + P`` share one 20-round Threefry-2x32 block: ``(w0, w1) =
+threefry2x32((k0, k1), (i, i + P))`` gives token ``i`` the word ``w0`` and token ``i + P``
+the word ``w1`` (for odd ``V`` the unused last ``w1`` is dropped). This is
+``jax.extend.random.threefry_2x32(key, arange(2P))``: one hash per two tokens, half of what
+``jax.random.uniform`` spends under ``jax_threefry_partitionable`` (one hash per element,
+its two words XORed into one), and it does not depend on that flag. Threefry-2x32 with 20
+rounds is a counter-based generator that passes TestU01's BigCrush with rounds to spare
+(Salmon et al., SC 2011) and is meant to have every word of every block used, so ``w0``
+and ``w1`` are as independent as words of different blocks.
 
-Determinism rules: ties go to the lowest token id (``jnp.argmax`` returns the first
-maximum); NaN logits count as ``-inf``; a row whose logits are all ``-inf`` yields
-token 0.
+A word ``w`` becomes ``U = (⌊w / 2⁹⌋ + ½) · 2⁻²³``: its top 23 bits pick one of ``2²³``
+equal cells of ``(0, 1)`` and ``U`` is the cell's midpoint, computed exactly in float32 as
+``((w >> 8) | 1) · 2⁻²⁴``. So ``U ∈ [2⁻²⁴, 1 − 2⁻²⁴]``, ``E = −log U ∈ [6e-8, 16.7]`` is
+strictly positive and finite, and the noise is ``log E = log(−log U)``. No token wins by
+a zero draw (``jax.random.exponential`` can return exactly 0, which at ``V = 151936``
+happens in about 2 % of rows per step and would pick a uniformly random token).
+
+:func:`sample_step` races the two tokens of each block side by side (both words are used
+at the same position, so a fused kernel hashes each block once) and reduces the pair
+winners with an argmax that breaks ties by token id.
+
+Determinism rules: ties go to the lowest token id; NaN logits count as ``-inf``; a row
+whose logits are all ``-inf`` yields token 0.
 
 Randomness: the caller passes one key or one key per row (:func:`row_keys`); row ``b``
 uses ``fold_in(key, b)`` for a single key, or its own key, and step ``k`` folds in ``k``
-(:func:`step_keys`), so a row's noise never depends on the other rows of the batch.
+(:func:`step_keys`). A row's noise is a function of its step key and ``V`` only, so it
+never depends on the other rows or on the batch size.
 """
 
 from __future__ import annotations
@@ -35,6 +53,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry_2x32
 
 TOP_K_ALL = 1 << 30
 """``top_k`` meaning "no top-k" (sample from the full distribution)."""
@@ -135,23 +154,86 @@ def greedy_step(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def log_exponential_noise(keys: jax.Array, vocab: int) -> jax.Array:
-    """``log E`` for ``E ~ Exp(1)`` i.i.d., one ``[V]`` row per key.
+def _key_words(keys: jax.Array) -> jax.Array:
+    """``uint32 [B, 2]`` Threefry-2x32 key words of keys ``[B]`` (typed, or raw ``[B, 2]``).
+
+    Raises:
+      TypeError: the keys are not Threefry-2x32 keys.
+    """
+    if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.wrap_key_data(keys)
+    impl = str(jax.random.key_impl(keys))
+    if impl != "threefry2x32":
+        raise TypeError(f"key has PRNG implementation {impl}: the noise hashes threefry2x32 keys (JAX's default)")
+    return jax.random.key_data(keys)
+
+
+def _block_words(keys: jax.Array, pairs: int) -> tuple[jax.Array, jax.Array]:
+    """Words of the Threefry blocks ``(i, i + P)``, ``i < P``: ``w0`` for tokens ``i``, ``w1`` for ``i + P``.
 
     Args:
       keys: typed keys ``[B]``.
+      pairs: ``P``.
+
+    Returns:
+      ``(w0, w1)``, each ``uint32 [B, P]``.
+    """
+    counts = jnp.arange(2 * pairs, dtype=jnp.uint32)  # threefry_2x32 hashes (counts[i], counts[i + P])
+    words = jax.vmap(lambda k: threefry_2x32((k[0], k[1]), counts))(_key_words(keys))  # [B, 2P]
+    return words[:, :pairs], words[:, pairs:]
+
+
+def _uniform(words: jax.Array) -> jax.Array:
+    """``U = (⌊w / 2⁹⌋ + ½) · 2⁻²³`` in float32, exactly: ``[2⁻²⁴, 1 − 2⁻²⁴]``, same shape as ``words``."""
+    return ((words >> 8) | 1).astype(jnp.float32) * 2.0**-24  # an odd integer below 2^24: exact
+
+
+def _log_exponential(words: jax.Array) -> jax.Array:
+    """``log E`` with ``E = −log U`` (see :func:`_uniform`), float32, finite."""
+    return jnp.log(-jnp.log(_uniform(words)))
+
+
+def log_exponential_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """``log E`` for ``E ~ Exp(1)`` i.i.d., one ``[V]`` row per key (generator: module docstring).
+
+    This materialises the noise (references, tests); :func:`sample_step` computes the same
+    values inside its race, where each Threefry block is hashed once.
+
+    Args:
+      keys: Threefry-2x32 keys ``[B]``, typed (or raw ``uint32 [B, 2]``).
       vocab: ``V``.
 
     Returns:
       ``[B, V]`` float32, finite.
+
+    Raises:
+      TypeError: the keys are not Threefry-2x32 keys.
     """
-    tiny = jnp.finfo(jnp.float32).tiny
+    pairs = (vocab + 1) // 2
+    low, high = _block_words(keys, pairs)  # [B, P] each
+    return _log_exponential(jnp.concatenate([low, high], axis=1)[:, :vocab])  # [B, V]
 
-    def one(key):
-        u = jax.random.uniform(key, (vocab,), jnp.float32, minval=tiny, maxval=1.0)
-        return jnp.log(-jnp.log(u))  # E = -log U > 0
 
-    return jax.vmap(one)(keys)
+def _max_then_lowest_id(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]):
+    """Reduction step of an argmax: the larger score, or on equal scores the lower id."""
+    (a_score, a_id), (b_score, b_id) = a, b
+    take_a = (a_score > b_score) | ((a_score == b_score) & (a_id < b_id))
+    return jnp.where(take_a, a_score, b_score), jnp.where(take_a, a_id, b_id)
+
+
+def _argmax_of_halves(low: jax.Array, high: jax.Array) -> jax.Array:
+    """``argmax`` of ``concatenate([low, high], 1)`` ``[B, 2P]`` (no NaN), lowest id on ties → ``[B]`` int32.
+
+    Pairs ``(i, i + P)`` are decided first, side by side, so both words of a Threefry
+    block are read at the same position; then one pass reduces the pair winners.
+    """
+    pairs = low.shape[1]
+    take_high = high > low  # [B, P]; a tie keeps the lower id, i
+    best = jnp.where(take_high, high, low)
+    ids = jax.lax.broadcasted_iota(jnp.int32, low.shape, 1) + jnp.where(take_high, pairs, 0)  # [B, P]
+    init = (np.float32(-np.inf), np.int32(np.iinfo(np.int32).max))
+    _, token = jax.lax.reduce((best, ids), init, _max_then_lowest_id, (1,))
+    return token
 
 
 def sample_step(
@@ -174,10 +256,18 @@ def sample_step(
       ``[B]`` int32 token ids.
     """
     logits = logits.astype(jnp.float32)  # [B, V]
+    batch, vocab = logits.shape
+    pairs = (vocab + 1) // 2
     t = clamp_temperatures(temperatures)[:, None]  # [B, 1]
-    keys = row_keys(noise_keys, logits.shape[0])
-    raced = logits / t - log_exponential_noise(keys, logits.shape[-1])  # [B, V]
-    scores = jnp.where(greedy_mask[:, None], logits, raced)
-    # NaN (from NaN logits or inf / inf) counts as -inf, so an all -inf row picks token 0.
-    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    keys = row_keys(noise_keys, batch)
+    # Odd V: a -inf column completes the last pair; it never beats a real token (ties go to lower ids).
+    logits = jnp.pad(logits, ((0, 0), (0, 2 * pairs - vocab)), constant_values=-jnp.inf)  # [B, 2P]
+    low_words, high_words = _block_words(keys, pairs)  # [B, P] each
+
+    def scores(half, words):  # [B, P]
+        raced = half / t - _log_exponential(words)
+        picked = jnp.where(greedy_mask[:, None], half, raced)
+        # NaN (from NaN logits or inf / inf) counts as -inf, so an all -inf row picks token 0.
+        return jnp.where(jnp.isnan(picked), -jnp.inf, picked)
+
+    return _argmax_of_halves(scores(logits[:, :pairs], low_words), scores(logits[:, pairs:], high_words))

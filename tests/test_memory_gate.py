@@ -95,3 +95,18 @@ def test_executable_bytes_reads_xla_memory_analysis():
     compiled = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((1000,), jnp.float32)).compile()
     assert executable_bytes(compiled) >= 4000  # at least the float32 output
     assert executable_bytes(object()) is None
+
+
+def test_sampling_extra_bytes_never_lets_a_smaller_scratch_cancel_the_outputs():
+    from types import SimpleNamespace
+
+    from dspark_jax.memory_gate import sampling_extra_bytes
+
+    def compiled(temp, out):
+        stats = SimpleNamespace(temp_size_in_bytes=temp, output_size_in_bytes=out)
+        return SimpleNamespace(memory_analysis=lambda: stats)
+
+    # Outputs grow by 2560, the scratch area shrinks by 700: the estimate keeps the 2560.
+    assert sampling_extra_bytes(compiled(300, 2600), compiled(1000, 40)) == 2560
+    assert sampling_extra_bytes(compiled(1300, 2600), compiled(1000, 40)) == 2860
+    assert sampling_extra_bytes(object(), compiled(1, 1)) is None

@@ -66,6 +66,16 @@ def test_sampled_frequencies_match_softmax_over_temperature(temperature):
     assert tv(freq, expected) < bound
 
 
+def test_sampled_frequencies_match_softmax_for_odd_vocabulary():
+    # Odd V: a -inf column completes the last Threefry block and must never be drawn.
+    logits = LOGITS[:7]
+    batch = np.broadcast_to(logits, (N_DRAWS, 7))
+    tokens = np.asarray(_sample(batch, np.ones(N_DRAWS, np.float32), np.zeros(N_DRAWS, bool), jax.random.key(8)))
+    assert tokens.max() < 7
+    freq = np.bincount(tokens, minlength=7) / N_DRAWS
+    assert tv(freq, softmax(logits.astype(np.float64))) < tv_bound(7, N_DRAWS)
+
+
 def test_noise_is_fresh_at_every_step():
     # Uniform logits: tokens of steps 0 and 1 must be independent, so the joint histogram
     # over V² cells is uniform; reusing a step's noise would put all mass on the diagonal.
