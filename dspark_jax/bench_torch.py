@@ -18,6 +18,7 @@ KVH key/value heads, G = NH / KVH, D head dim, I intermediate, V vocabulary, r M
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dspark_jax.bench import MODES, SHAPES, BenchShapes
+from dspark_jax.bench import MODES, SHAPES, BenchShapes, draft_config
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -239,10 +240,16 @@ def _bench_batch(m: TorchDraft, shapes: BenchShapes, batch: int, iters: int) -> 
     return rows
 
 
+def draft_fields(shapes: BenchShapes) -> dict[str, Any]:
+    """The benchmark draft's config as a plain dict (what :class:`TorchDraft` reads)."""
+    cfg = draft_config(shapes)
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
 def bench(shapes: BenchShapes, batches: tuple[int, ...], iters: int) -> dict[str, Any]:
     """Times the round per batch and mode, eager and (on CUDA) as a CUDA graph."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    m = TorchDraft(shapes.draft, device=device)
+    m = TorchDraft(draft_fields(shapes), device=device)
     with torch.inference_mode():
         rows = [row for batch in batches for row in _bench_batch(m, shapes, batch, iters)]
     out = {
