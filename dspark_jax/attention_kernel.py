@@ -8,11 +8,11 @@ The draft's block queries attend over each request's first ``prefix_len`` contex
 over the block's own keys, under one softmax. :func:`context_attention` does the context
 part in one kernel launch per layer: program ``(b, h)`` holds the ``M`` query rows of KV head
 ``h`` of request ``b`` and walks that request's context in chunks of ``block_c`` keys with an
-online (flash) softmax, reading the cache where it lies (``[L, B, C, KVH, D]``: no copy, no
-transpose, no ``[B, NH, S, C]`` score tensor in memory) and stopping at ``prefix_len``, so
-unused capacity is never read. It returns the unnormalised output with its running max and
-sum; :func:`merge_own_keys` adds the block's own keys (``S`` of them, always visible) and
-normalises, in float32.
+online (flash) softmax, reading the cache where it lies (``[L, N, C, KVH, D]``, slot
+``slots[b]``: no gather, no copy, no transpose, no ``[B, NH, S, C]`` score tensor in memory)
+and stopping at ``prefix_len``, so unused capacity is never read. It returns the
+unnormalised output with its running max and sum; :func:`merge_own_keys` adds the block's
+own keys (``S`` of them, always visible) and normalises, in float32.
 
 Chunks never read past the capacity: chunk ``j`` loads keys ``[min(j·c, C − c), … + c)`` and
 masks out every position below ``j·c`` (already counted) or at or past ``prefix_len``.
@@ -83,9 +83,10 @@ def _block_c(capacity: int) -> int:
     return min(64, 1 << (capacity.bit_length() - 1))
 
 
-def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c: int, capacity: int, scale: float):
-    """Program ``(b, h)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [C, D]`` → ``o [M, D]``, ``m``/``l [M]``."""
+def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c: int, capacity: int, scale: float):
+    """Program ``(b, h)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [slots, C, D]`` → ``o [M, D]``, ``m``/``l [M]``."""
     b = pl.program_id(0)
+    row = rows_ref[b]  # the cache slot holding request b's context
     prefix = jnp.minimum(lens_ref[b], capacity)
     q = q_ref[...]  # [M, D]
     rows, dim = q.shape
@@ -95,13 +96,13 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c: int,
         start = jnp.minimum(j * block_c, capacity - block_c)
         pos = start + jnp.arange(block_c, dtype=jnp.int32)  # [c]
         visible = (pos >= j * block_c) & (pos < prefix)
-        k = k_ref[pl.ds(start, block_c), :]  # [c, D]
+        k = k_ref[row, pl.ds(start, block_c), :]  # [c, D]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(visible[None, :], s, _NEG)  # [M, c]
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[:, None])
         fix = jnp.exp(m - m_new)
-        v = v_ref[pl.ds(start, block_c), :]  # [c, D]
+        v = v_ref[row, pl.ds(start, block_c), :]  # [c, D]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return fix[:, None] * o + pv, m_new, fix * l + p.sum(axis=-1)
 
@@ -122,6 +123,7 @@ def context_attention(
     cache_k: jax.Array,
     cache_v: jax.Array,
     prefix_lens: jax.Array,
+    slots: jax.Array | None = None,
     *,
     layer: int,
     interpret: bool = False,
@@ -131,8 +133,11 @@ def context_attention(
     Args:
       q: ``[B, KVH, M, D]`` queries grouped by KV head (pre-scaled by nothing; the kernel
         applies ``D**-0.5``), ``M`` a power of two ≥ 16.
-      cache_k, cache_v: ``[L, B, C, KVH, D]`` the whole context cache (read in place).
+      cache_k, cache_v: ``[L, N, C, KVH, D]`` the whole context cache of ``N`` slots (read
+        in place).
       prefix_lens: ``[B]`` int32 context lengths (values past ``C`` read all of ``C``).
+      slots: ``[B]`` int32 cache slot of each request (default: request ``b`` in slot ``b``,
+        which needs ``N == B``); the kernel reads those slots without gathering them.
       layer: which of the ``L`` layers.
       interpret: run through the Pallas interpreter (any backend).
 
@@ -142,10 +147,12 @@ def context_attention(
       (a large negative finite number and ``o = l = 0`` when none is visible).
     """
     b, kvh, rows, d = q.shape
-    capacity = cache_k.shape[2]
+    n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
+    if slots is None:
+        slots = jnp.arange(b, dtype=jnp.int32)
     block_c = _block_c(capacity)
     kernel = functools.partial(_kernel, block_c=block_c, capacity=capacity, scale=d**-0.5)
-    kv_spec = pl.BlockSpec((None, None, capacity, None, d), lambda i, h: (layer, i, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h: (layer, 0, 0, h, 0))
     row_spec = pl.BlockSpec((None, None, rows), lambda i, h: (i, h, 0))
     params = {}
     if not interpret:
@@ -156,6 +163,7 @@ def context_attention(
         kernel,
         grid=(b, kvh),
         in_specs=[
+            pl.BlockSpec((b,), lambda i, h: (0,)),
             pl.BlockSpec((b,), lambda i, h: (0,)),
             pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
             kv_spec,
@@ -170,7 +178,7 @@ def context_attention(
         interpret=interpret,
         name="dspark_context_attention",
         **params,
-    )(prefix_lens.astype(jnp.int32), q, cache_k, cache_v)
+    )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
 
 
 def merge_own_keys(qg: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -203,6 +211,7 @@ def attend_block(
     cache_v: jax.Array,
     prefix_lens: jax.Array,
     layer: int,
+    slots: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Block attention over context (kernel) plus own keys: ``[B, S, NH, D]`` → ``[B, S, NH·D]``.
@@ -213,9 +222,10 @@ def attend_block(
     Args:
       q: ``[B, S, NH, D]`` roped, normed queries.
       k, v: ``[B, S, KVH, D]`` the block's own keys and values.
-      cache_k, cache_v: ``[L, B, C, KVH, D]``.
+      cache_k, cache_v: ``[L, N, C, KVH, D]``.
       prefix_lens: ``[B]``.
       layer: the layer's index into the cache.
+      slots: ``[B]`` cache slot of each request (default ``b``).
       interpret: see :func:`context_attention`.
 
     Returns:
@@ -227,6 +237,6 @@ def attend_block(
     rows = _padded_rows(g * s)
     qg = q.reshape(b, s, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * s, d)  # [B, KVH, G·S, D]
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * s), (0, 0))).astype(cache_k.dtype)
-    o, m, l = context_attention(qg, cache_k, cache_v, prefix_lens, layer=layer, interpret=interpret)
+    o, m, l = context_attention(qg, cache_k, cache_v, prefix_lens, slots, layer=layer, interpret=interpret)
     out = merge_own_keys(qg, o, m, l, k.astype(qg.dtype), v.astype(qg.dtype))[:, :, : g * s]
     return out.reshape(b, kvh, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)

@@ -162,6 +162,7 @@ class DSparkDraft(nnx.Module):
         ctx_mask: jax.Array,
         input_embeds: jax.Array | None = None,
         prefix_lens: jax.Array | None = None,
+        slots: jax.Array | None = None,
     ) -> jax.Array:
         """Runs the backbone over one block.
 
@@ -175,6 +176,9 @@ class DSparkDraft(nnx.Module):
             (the cache of a proposal); lets the GPU kernel
             (:mod:`dspark_jax.attention_kernel`) read the cache in place and skip the
             positions past ``prefix_len``.
+          slots: ``[B]`` the cache slot of each row when ``ctx_k``/``ctx_v`` hold more slots
+            than rows (``[L, N, C, KVH, D]``); the kernel reads them in place, the XLA path
+            gathers them. Default: row ``b`` is slot ``b``.
 
         Returns:
           ``[B, R, H]`` hidden states after the final norm.
@@ -189,6 +193,8 @@ class DSparkDraft(nnx.Module):
         kernel, interpret = False, False
         if prefix_lens is not None and ctx_k.dtype == x.dtype:
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
+        if slots is not None and not kernel:
+            ctx_k, ctx_v = ctx_k[:, slots], ctx_v[:, slots]  # [L, B, C, KVH, D]
         for i, layer in enumerate(self.layers):
             if kernel:
                 attend = functools.partial(
@@ -197,6 +203,7 @@ class DSparkDraft(nnx.Module):
                     cache_v=ctx_v,
                     prefix_lens=prefix_lens,
                     layer=i,
+                    slots=slots,
                     interpret=interpret,
                 )
                 x = layer.with_attention(x, positions, attend)

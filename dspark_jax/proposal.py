@@ -219,6 +219,7 @@ def _draft_slots(
     bonus: jax.Array,
     prefix_lens: jax.Array,
     input_embeds: jax.Array | None,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Backbone over the block; returns slot hidden ``[B, γ, H]`` and base logits ``[B, γ, V]``."""
     bonus = jnp.asarray(bonus, jnp.int32)
@@ -231,6 +232,7 @@ def _draft_slots(
         ctx_mask=context_mask(prefix_lens, cache.capacity),
         input_embeds=input_embeds,
         prefix_lens=prefix_lens,
+        slots=None if slots is None else jnp.asarray(slots, jnp.int32),
     )  # [B, R, H]
     slot_hidden = draft.slots(hidden)  # [B, γ, H]
     return slot_hidden, draft.base_logits(slot_hidden)
@@ -297,6 +299,7 @@ def propose_with(
     *,
     fold_sampling: bool = True,
     input_embeds: jax.Array | None = None,
+    slots: jax.Array | None = None,
 ) -> DraftBlock:
     """Folded draft round on a merged draft module (pure; trace it inside ``jax.jit``).
 
@@ -311,13 +314,30 @@ def propose_with(
       fold_sampling: False folds greedy-only (every row greedy, empty corrected logits).
       input_embeds: ``[B, R, H]`` block embeddings to use instead of the in-graph lookup
         (parity tests).
+      slots: ``[B]`` int cache slot of each row, when the cache holds ``N`` request slots
+        (``[L, N, C, KVH, D]``) and this round serves ``B`` of them; the GPU kernel reads
+        them in place (no gathered copy of the context). Default: row ``b`` is slot ``b``
+        (``N == B``). Values are not range-checked here (jittable);
+        :func:`validate_proposal_inputs` checks them on the host.
 
     Returns:
       The :class:`DraftBlock`.
     """
-    batch = check_shapes(draft.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
+    batch = check_shapes(
+        draft.cfg,
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        input_embeds=input_embeds,
+        cache_rows=slots is None,
+    )
+    if slots is not None and tuple(np.shape(slots)) != (batch,):
+        raise ValueError(f"slots has shape {tuple(np.shape(slots))}: expected [{batch}] like bonus")
     temps = clamp_temperatures(temperatures)
-    slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds)
+    slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds, slots)
     greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
     keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
     pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
@@ -337,6 +357,7 @@ def propose(
     *,
     fold_sampling: bool = True,
     input_embeds: jax.Array | None = None,
+    slots: jax.Array | None = None,
 ) -> DraftBlock:
     """Folded draft round over split NNX state (``graphdef`` static under ``jax.jit``).
 
@@ -349,8 +370,8 @@ def propose(
     Args:
       graphdef: from ``nnx.split(draft)``.
       state: the draft's state.
-      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds:
-        as in :func:`propose_with`.
+      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds,
+        slots: as in :func:`propose_with`.
 
     Returns:
       The :class:`DraftBlock`.
@@ -365,6 +386,7 @@ def propose(
         key,
         fold_sampling=fold_sampling,
         input_embeds=input_embeds,
+        slots=slots,
     )
 
 
@@ -479,8 +501,8 @@ def propose_eager(
 
     Args:
       draft: the draft module.
-      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds:
-        as in :func:`propose_with`.
+      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds,
+        slots: as in :func:`propose_with`.
 
     Returns:
       The :class:`DraftBlock`.

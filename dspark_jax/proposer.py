@@ -137,16 +137,19 @@ def _folded_round(
 ):
     # The state travels as a flat list of arrays: flattening an nnx.State on every call costs
     # milliseconds of host time, a list almost nothing.
+    # The slots go to the draft, not through a gather: the GPU attention kernel reads the
+    # requests' context where it lies (the XLA path gathers inside the draft).
     return propose(
         graphdef,
         jax.tree.unflatten(treedef, leaves),
-        _gather(cache, slots),
+        cache,
         bonus,
         prefix_lens,
         temperatures,
         top_k,
         _keys(key_data, per_row),
         fold_sampling=fold_sampling,
+        slots=slots,
     )
 
 

@@ -103,3 +103,39 @@ def test_propose_with_the_kernel_matches_the_xla_path(monkeypatch):
     np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
     la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
     assert np.linalg.norm(la - lb) / np.linalg.norm(la) < 2e-2
+
+
+def test_kernel_reads_request_slots_in_place():
+    """``slots`` picks cache rows inside the kernel: same as gathering them first."""
+    q, ck, cv, k, v = _inputs(5, layers=2, batch=3, rows=7, heads=8, kv_heads=2, dim=16, capacity=48)
+    big_k = jax.random.normal(jax.random.key(9), (2, 5, 48, 2, 16))  # 5 slots, rows 3, 0, 4 serve the batch
+    big_v = jax.random.normal(jax.random.key(10), (2, 5, 48, 2, 16))
+    slots = jnp.array([3, 0, 4], jnp.int32)
+    lens = jnp.array([48, 17, 2], jnp.int32)
+    for layer in range(2):
+        got = attend_block(
+            q, k, v, cache_k=big_k, cache_v=big_v, prefix_lens=lens, layer=layer, slots=slots, interpret=True
+        )
+        want = _reference(q, big_k[:, slots], big_v[:, slots], k, v, np.asarray(lens), layer)
+        rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert rel < 1e-5, (layer, rel)
+
+
+def test_propose_with_slots_equals_propose_on_gathered_rows(monkeypatch):
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    cache = bench.random_context(cfg, 6, 48, jax.random.key(3))
+    slots = jnp.array([5, 1, 2], jnp.int32)
+    gathered = type(cache)(k=cache.k[:, slots], v=cache.v[:, slots])
+    bonus, lens = jnp.array([3, 7, 11], jnp.int32), jnp.array([20, 0, 41], jnp.int32)
+    temps, top_k = bench.sampling_params(3, "mixed")
+    for choice in ("xla", "pallas"):
+        monkeypatch.setenv(ATTENTION_ENV, choice)
+        step = jax.jit(lambda c, s, *a: propose(graphdef, state, c, *a, slots=s))
+        plain = jax.jit(lambda c, *a: propose(graphdef, state, c, *a))
+        a = step(cache, slots, bonus, lens, temps, top_k, jax.random.key(4))
+        b = plain(gathered, bonus, lens, temps, top_k, jax.random.key(4))
+        np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
+        np.testing.assert_array_equal(np.asarray(a.corrected_logits), np.asarray(b.corrected_logits))
+    with pytest.raises(ValueError, match=r"slots has shape \(2,\): expected \[3\] like bonus"):
+        propose(graphdef, state, cache, bonus, lens, temps, top_k, jax.random.key(4), slots=slots[:2])
