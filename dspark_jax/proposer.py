@@ -15,9 +15,10 @@ and keeps them, so serving calls never trace or compile again. Modes:
 
 Context cache and buckets: the cache holds ``S`` request slots (``[L, S, C, KVH, D]``,
 fixed at construction) and a call names the slot of each row (``slots [B]``, default
-``0..B−1``). The compiled round gathers those rows (``cache.k[:, slots]``), so any
-subset of requests can be drafted together; the gather copies
-``2·L·Bp·C·KVH·D·itemsize`` bytes per round. Padded rows read slot 0 with
+``0..B−1``). The compiled round passes the slots to the draft, so any subset of requests
+can be drafted together: on GPUs the attention kernel reads those rows in place; the XLA
+path (CPUs, float32 caches) gathers them, copying ``2·L·Bp·C·KVH·D·itemsize`` bytes per
+round. Padded rows read slot 0 with
 ``prefix_len = 0``, bonus 0 and greedy settings; every row's computation is independent
 of the others, so padding never changes the real rows, which are sliced back out with
 precompiled slicers.
