@@ -130,16 +130,6 @@ def _temp_and_output(compiled: Any) -> tuple[int, int] | None:
     return int(stats.temp_size_in_bytes), int(stats.output_size_in_bytes)
 
 
-def executable_bytes(compiled: Any) -> int | None:
-    """Temporary plus output bytes of a compiled executable, or None if not reported.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
-    """
-    parts = _temp_and_output(compiled)
-    return None if parts is None else sum(parts)
-
-
 def sampling_extra_bytes(sampling: Any, greedy: Any) -> int | None:
     """What the sampling executable needs beyond the greedy-only one, per XLA's memory analysis.
 

@@ -11,7 +11,6 @@ from dspark_jax.memory_gate import (
     GIB,
     FoldedSampling,
     closed_form_bytes,
-    executable_bytes,
     free_device_bytes,
     plan_folded_sampling,
 )
@@ -91,10 +90,15 @@ def test_auto_measures_free_memory_when_not_given():
     assert decision.free_bytes is not None and decision.free_bytes > 0
 
 
-def test_executable_bytes_reads_xla_memory_analysis():
-    compiled = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((1000,), jnp.float32)).compile()
-    assert executable_bytes(compiled) >= 4000  # at least the float32 output
-    assert executable_bytes(object()) is None
+def test_sampling_extra_bytes_reads_xla_memory_analysis():
+    from dspark_jax.memory_gate import sampling_extra_bytes
+
+    spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    small = jax.jit(lambda x: x * 2).lower(spec).compile()
+    large = jax.jit(lambda x: (x * 2, jnp.tile(x, 3))).lower(spec).compile()  # 12000 more output bytes
+    assert sampling_extra_bytes(large, small) >= 12000
+    assert sampling_extra_bytes(small, small) == 0
+    assert sampling_extra_bytes(object(), small) is None
 
 
 def test_sampling_extra_bytes_never_lets_a_smaller_scratch_cancel_the_outputs():
