@@ -55,6 +55,7 @@ _EXPORTS = {
     "GateDecision": "dspark_jax.memory_gate",
     "plan_folded_sampling": "dspark_jax.memory_gate",
     "Proposer": "dspark_jax.proposer",
+    "SplitRound": "dspark_jax.split_round",
     "CompileCounter": "dspark_jax.proposer",
     "batch_buckets": "dspark_jax.proposer",
     # checkpoints and presets (issue 2)

@@ -51,7 +51,7 @@ from dspark_jax.presets import load_preset
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
-PATHS = ("folded_greedy", "folded", "jit_static", "proposer", "eager")
+PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -371,7 +371,9 @@ def bench_propose(
     Paths: ``folded`` (``jax.jit(propose)`` through :func:`jit_split`, sampling folded
     in: the program every mode runs), ``folded_greedy`` (``fold_sampling=False``, greedy
     batches only), ``jit_static`` (greedy-only again, jitted the plain way with the
-    graphdef as a static argument, to show what that costs per call), ``proposer``
+    graphdef as a static argument, to show what that costs per call), ``split_greedy`` and
+    ``split`` (the same two programs dispatched as :class:`~dspark_jax.split_round.SplitRound`
+    pieces, greedy-only and sampling folded), ``proposer``
     (:class:`~dspark_jax.proposer.Proposer`: host-side checks and padding, the slot
     gather, the folded round; inputs on the host as a server holds them) and ``eager``
     (:func:`~dspark_jax.proposal.propose_eager`).
@@ -383,10 +385,12 @@ def bench_propose(
     """
     from dspark_jax.proposal import propose, propose_eager
     from dspark_jax.proposer import Proposer
+    from dspark_jax.split_round import SplitRound
 
     folded, leaves = jit_split(propose, graphdef, state, static_argnames="fold_sampling")
     static = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     draft = nnx.merge(graphdef, state)
+    split = SplitRound(draft)
     capacity = context + 2 * cfg.num_query_rows
     if "proposer" in paths:
         proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
@@ -401,6 +405,8 @@ def bench_propose(
         for path, fold_sampling, path_modes in (
             ("folded_greedy", False, ("greedy",)),
             ("folded", True, MODES),
+            ("split_greedy", False, ("greedy",)),
+            ("split", True, MODES),
             ("jit_static", False, ("greedy",)),
         ):
             path_modes = [m for m in path_modes if m in modes] if path in paths else []
@@ -412,6 +418,8 @@ def bench_propose(
                 args = (inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
                 if path == "jit_static":
                     fn, args = static, (graphdef, state, *args)
+                elif path.startswith("split"):
+                    fn = split
                 else:
                     fn, args = folded, (leaves, *args)
 
@@ -776,7 +784,7 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result.get("propose", []):
         key = (r["batch"], r["mode"])
         # PyTorch runs a greedy-only program for greedy batches, the full one otherwise.
-        paired = r["path"] == ("folded_greedy" if r["mode"] == "greedy" else "folded")
+        paired = r["path"] in (("folded_greedy", "split_greedy") if r["mode"] == "greedy" else ("folded", "split"))
         graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
             f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "

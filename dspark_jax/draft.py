@@ -189,13 +189,55 @@ class DSparkDraft(nnx.Module):
             x = self.embed(input_ids)
         else:
             raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
+        x = self.run_layers(
+            x,
+            positions=positions,
+            ctx_k=ctx_k,
+            ctx_v=ctx_v,
+            ctx_mask=ctx_mask,
+            prefix_lens=prefix_lens,
+            slots=slots,
+        )
+        return self.norm(x)
+
+    def run_layers(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array,
+        ctx_k: jax.Array,
+        ctx_v: jax.Array,
+        ctx_mask: jax.Array,
+        prefix_lens: jax.Array | None = None,
+        slots: jax.Array | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> jax.Array:
+        """Runs layers ``start … stop − 1`` over the block's residual stream (no final norm).
+
+        ``__call__`` runs all of them; a round dispatched in pieces
+        (:class:`dspark_jax.split_round.SplitRound`) runs them in ranges.
+
+        Args:
+          x: ``[B, R, H]`` residual stream entering layer ``start``.
+          positions, ctx_k, ctx_v, ctx_mask, prefix_lens, slots: as in :meth:`__call__`.
+          start, stop: the layer range, ``0 <= start <= stop <= L`` (``stop`` default ``L``).
+
+        Returns:
+          ``[B, R, H]`` the residual stream leaving layer ``stop − 1``.
+        """
+        num_layers = len(self.layers)
+        stop = num_layers if stop is None else stop
+        if not 0 <= start <= stop <= num_layers:
+            raise ValueError(
+                f"layer range start={start}, stop={stop} is invalid: must satisfy 0 <= start <= stop <= {num_layers}"
+            )
         # Non-causal: every block row sees every valid context key and the whole block.
         kernel, interpret = False, False
         if prefix_lens is not None and ctx_k.dtype == x.dtype:
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
-        if slots is not None and not kernel:
-            ctx_k, ctx_v = ctx_k[:, slots], ctx_v[:, slots]  # [L, B, C, KVH, D]
-        for i, layer in enumerate(self.layers):
+        for i in range(start, stop):
+            layer = self.layers[i]
             if kernel:
                 attend = functools.partial(
                     attend_block,
@@ -208,8 +250,11 @@ class DSparkDraft(nnx.Module):
                 )
                 x = layer.with_attention(x, positions, attend)
             else:
-                x = layer.with_context(x, positions, ctx_k[i].astype(x.dtype), ctx_v[i].astype(x.dtype), ctx_mask)
-        return self.norm(x)
+                k, v = ctx_k[i], ctx_v[i]  # [N, C, KVH, D]
+                if slots is not None:
+                    k, v = k[slots], v[slots]  # [B, C, KVH, D]
+                x = layer.with_context(x, positions, k.astype(x.dtype), v.astype(x.dtype), ctx_mask)
+        return x
 
     def slots(self, hidden: jax.Array) -> jax.Array:
         """``[B, R, H]`` → ``[B, γ, H]``: drops the anchor row in the DFlash layout."""

@@ -77,7 +77,7 @@ def check_shapes(
     key: Any,
     *,
     input_embeds: Any = None,
-    cache_rows: bool = True,
+    slots: Any = None,
 ) -> int:
     """Checks the static shapes of a proposal's inputs (works on tracers).
 
@@ -87,7 +87,8 @@ def check_shapes(
       bonus, prefix_lens, temperatures, top_k: ``[B]`` each.
       key: one key or per-row keys (see :func:`dspark_jax.sampling.key_rows`).
       input_embeds: optional ``[B, R, H]``.
-      cache_rows: require ``cache.batch == B`` (False when rows are gathered by slot).
+      slots: optional ``[B]`` cache slot per row; without it the cache must hold exactly
+        ``B`` slots.
 
     Returns:
       ``B``.
@@ -110,7 +111,9 @@ def check_shapes(
         shape = tuple(getattr(cache, name).shape)
         if shape != expected:
             raise ValueError(f"cache.{name} has shape {shape}: expected [L, B, C, KVH, D] = {expected}")
-    if cache_rows and cache.batch != batch:
+    if slots is not None and tuple(np.shape(slots)) != (batch,):
+        raise ValueError(f"slots has shape {tuple(np.shape(slots))}: expected [{batch}] like bonus")
+    if slots is None and cache.batch != batch:
         raise ValueError(f"cache has {cache.batch} request slots: expected B={batch} like bonus")
     if cache.capacity < cfg.gamma:
         raise ValueError(f"cache capacity={cache.capacity} is too small: must be >= gamma={cfg.gamma}")
@@ -172,7 +175,7 @@ def validate_proposal_inputs(
         top_k,
         key,
         input_embeds=input_embeds,
-        cache_rows=slots is None,
+        slots=slots,
     )
     ints = {"bonus": np.asarray(bonus), "prefix_lens": np.asarray(prefix_lens), "top_k": np.asarray(top_k)}
     for name, value in ints.items():
@@ -197,8 +200,6 @@ def validate_proposal_inputs(
         raise ValueError(f"temperatures[{i}]={float(temps[i])!r} is invalid: must be finite and >= 0 (0 = greedy)")
     if slots is not None:
         slots = np.asarray(slots)
-        if slots.shape != (batch,):
-            raise ValueError(f"slots has shape {slots.shape}: expected [{batch}] like bonus")
         if not np.issubdtype(slots.dtype, np.integer):
             raise TypeError(f"slots has dtype {slots.dtype}: expected an integer dtype")
         _check_range("slots", slots, 0, cache.batch - 1, f"cache slot ids in [0, {cache.batch})")
@@ -219,22 +220,14 @@ def _draft_slots(
     bonus: jax.Array,
     prefix_lens: jax.Array,
     input_embeds: jax.Array | None,
-    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Backbone over the block; returns slot hidden ``[B, γ, H]`` and base logits ``[B, γ, V]``."""
-    bonus = jnp.asarray(bonus, jnp.int32)
-    prefix_lens = jnp.asarray(prefix_lens, jnp.int32)
-    hidden = draft(
-        None if input_embeds is not None else draft.block_ids(bonus),
-        positions=draft.block_positions(prefix_lens),
-        ctx_k=cache.k,
-        ctx_v=cache.v,
-        ctx_mask=context_mask(prefix_lens, cache.capacity),
-        input_embeds=input_embeds,
-        prefix_lens=prefix_lens,
-        slots=None if slots is None else jnp.asarray(slots, jnp.int32),
-    )  # [B, R, H]
-    slot_hidden = draft.slots(hidden)  # [B, γ, H]
+    return _slot_logits(draft, backbone_stage(draft, None, cache, bonus, prefix_lens, input_embeds=input_embeds))
+
+
+def _slot_logits(draft: DSparkDraft, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``[B, R, H]`` residual stream → slot hidden ``[B, γ, H]`` (final norm) and base logits ``[B, γ, V]``."""
+    slot_hidden = draft.slots(draft.norm(x))
     return slot_hidden, draft.base_logits(slot_hidden)
 
 
@@ -288,6 +281,84 @@ def _finish(
     )
 
 
+def backbone_stage(
+    draft: DSparkDraft,
+    x: jax.Array | None,
+    cache: ContextCache,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    input_embeds: jax.Array | None = None,
+    slots: jax.Array | None = None,
+) -> jax.Array:
+    """Layers ``start … stop − 1`` of the round's backbone (pure; one piece of a split round).
+
+    Args:
+      draft: the draft module.
+      x: ``[B, R, H]`` residual stream entering layer ``start``; None when ``start == 0``
+        (the block ``[bonus, MASK, …]`` is embedded in-graph, or ``input_embeds`` used).
+      cache, bonus, prefix_lens, input_embeds, slots: as in :func:`propose_with`.
+      start, stop: the layer range (``stop`` default ``L``).
+
+    Returns:
+      ``[B, R, H]`` the residual stream after layer ``stop − 1`` (before the final norm).
+    """
+    if (x is None) != (start == 0):
+        raise ValueError(
+            f"backbone_stage got x={'None' if x is None else 'an array'} with start={start}: "
+            "x must be None exactly when start == 0"
+        )
+    prefix_lens = jnp.asarray(prefix_lens, jnp.int32)
+    if x is None:
+        if input_embeds is not None:
+            x = input_embeds.astype(draft.cfg.jnp_dtype)
+        else:
+            x = draft.embed(draft.block_ids(jnp.asarray(bonus, jnp.int32)))
+    return draft.run_layers(
+        x,
+        positions=draft.block_positions(prefix_lens),
+        ctx_k=cache.k,
+        ctx_v=cache.v,
+        ctx_mask=context_mask(prefix_lens, cache.capacity),
+        prefix_lens=prefix_lens,
+        slots=None if slots is None else jnp.asarray(slots, jnp.int32),
+        start=start,
+        stop=stop,
+    )
+
+
+def head_stage(
+    draft: DSparkDraft,
+    x: jax.Array,
+    bonus: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    key: jax.Array,
+    *,
+    fold_sampling: bool = True,
+) -> DraftBlock:
+    """The round after the backbone: final norm, base logits, Markov walk, confidence (pure).
+
+    Args:
+      draft: the draft module.
+      x: ``[B, R, H]`` residual stream after the last layer.
+      bonus, temperatures, top_k, key, fold_sampling: as in :func:`propose_with`.
+
+    Returns:
+      The :class:`DraftBlock`.
+    """
+    batch = x.shape[0]
+    slot_hidden, base = _slot_logits(draft, x)  # [B, γ, H], [B, γ, V]
+    temps = clamp_temperatures(temperatures)
+    greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
+    keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
+    pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
+    tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
+    return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
+
+
 def propose_with(
     draft: DSparkDraft,
     cache: ContextCache,
@@ -323,7 +394,7 @@ def propose_with(
     Returns:
       The :class:`DraftBlock`.
     """
-    batch = check_shapes(
+    check_shapes(
         draft.cfg,
         cache,
         bonus,
@@ -332,17 +403,10 @@ def propose_with(
         top_k,
         key,
         input_embeds=input_embeds,
-        cache_rows=slots is None,
+        slots=slots,
     )
-    if slots is not None and tuple(np.shape(slots)) != (batch,):
-        raise ValueError(f"slots has shape {tuple(np.shape(slots))}: expected [{batch}] like bonus")
-    temps = clamp_temperatures(temperatures)
-    slot_hidden, base = _draft_slots(draft, cache, bonus, prefix_lens, input_embeds, slots)
-    greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
-    keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
-    pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
-    tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
-    return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
+    x = backbone_stage(draft, None, cache, bonus, prefix_lens, input_embeds=input_embeds, slots=slots)
+    return head_stage(draft, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
 
 
 def propose(

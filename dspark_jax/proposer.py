@@ -5,13 +5,20 @@ slots of the context cache, C capacity, L draft layers, KVH key/value heads, D h
 γ draft slots, V vocabulary.
 
 :class:`Proposer` plays the role of CUDA-graph capture in sglang: :meth:`Proposer.precompile`
-compiles one executable per (bucket, mode) with ``jax.jit(...).lower(...).compile()``
-and keeps them, so serving calls never trace or compile again. Modes:
+compiles every program a (bucket, mode) round needs with ``jax.jit(...).lower(...).compile()``
+and keeps them, so serving calls never trace or compile again. A round is dispatched as the
+pieces of :class:`~dspark_jax.split_round.SplitRound` (the backbone in two pieces, shared by
+both modes, then the mode's head), so the device starts while the host still launches the
+later pieces. Modes:
 
 * greedy-only folded (every batch whose rows are all greedy);
 * sampling folded (batches with a sampling row), when the memory gate allows it
-  (:mod:`dspark_jax.memory_gate`); otherwise sampling batches run the eager path
-  (:func:`dspark_jax.proposal.run_eager`), which ``precompile`` warms per bucket.
+  (:mod:`dspark_jax.memory_gate`, which compares the two heads' memory); otherwise sampling
+  batches run the eager path (:func:`dspark_jax.proposal.run_eager`), which ``precompile``
+  warms per bucket.
+
+A call's per-row inputs (slots, bonus tokens, context lengths, temperatures, top-k, keys)
+travel to the device packed in one array: one host-to-device copy per call.
 
 Context cache and buckets: the cache holds ``S`` request slots (``[L, S, C, KVH, D]``,
 fixed at construction) and a call names the slot of each row (``slots [B]``, default
@@ -56,8 +63,9 @@ from dspark_jax.memory_gate import (
     plan_folded_sampling,
     sampling_extra_bytes,
 )
-from dspark_jax.proposal import DraftBlock, propose, run_eager, validate_proposal_inputs
+from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
 from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.split_round import SplitRound
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -133,29 +141,46 @@ def _keys(key_data: jax.Array, per_row: jax.Array) -> jax.Array:
     return jnp.where(per_row, key_data, jax.random.key_data(folded))
 
 
-def _folded_round(
-    graphdef, treedef, fold_sampling, leaves, cache, slots, bonus, prefix_lens, temperatures, top_k, key_data, per_row
-):
-    # The state travels as a flat list of arrays: flattening an nnx.State on every call costs
-    # milliseconds of host time, a list almost nothing.
+# Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
+_SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
+
+
+def _unpack(packed: jax.Array) -> dict[str, jax.Array]:
+    """``[Bp, 6 + n]`` uint32 packed inputs → the round's arrays (see ``Proposer._pack_inputs``)."""
+    ints = packed[:, :_TEMPS].astype(jnp.int32)
+    return {
+        "slots": ints[:, _SLOTS],
+        "bonus": ints[:, _BONUS],
+        "prefix_lens": ints[:, _PREFIX],
+        "top_k": ints[:, _TOP_K],
+        "temperatures": jax.lax.bitcast_convert_type(packed[:, _TEMPS], jnp.float32),
+        "keys": _keys(packed[:, _KEY:], packed[0, _PER_ROW] != 0),
+    }
+
+
+def _backbone_piece(split: SplitRound, start: int, stop: int, leaves, x, cache, packed):
     # The slots go to the draft, not through a gather: the GPU attention kernel reads the
     # requests' context where it lies (the XLA path gathers inside the draft).
-    return propose(
-        graphdef,
-        jax.tree.unflatten(treedef, leaves),
-        cache,
-        bonus,
-        prefix_lens,
-        temperatures,
-        top_k,
-        _keys(key_data, per_row),
+    inp = _unpack(packed)
+    return split.backbone(leaves, x, cache, inp["bonus"], inp["prefix_lens"], inp["slots"], start=start, stop=stop)
+
+
+def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed):
+    inp = _unpack(packed)
+    return split.head(
+        leaves,
+        x,
+        inp["bonus"],
+        inp["temperatures"],
+        inp["top_k"],
+        inp["keys"],
         fold_sampling=fold_sampling,
-        slots=slots,
     )
 
 
-def _eager_inputs(cache, slots, key_data, per_row):
-    return _gather(cache, slots), _keys(key_data, per_row)
+def _eager_inputs(cache, packed):
+    inp = _unpack(packed)
+    return _gather(cache, inp["slots"]), inp
 
 
 def _unpad(rows, block):
@@ -214,12 +239,14 @@ class Proposer:
         self.cache_shape = (cfg.num_hidden_layers, num_slots, capacity, cfg.num_key_value_heads, cfg.head_dim)
         self.cache_dtype = jnp.dtype(cache_dtype or cfg.jnp_dtype)
         self.graphdef, self.state = nnx.split(draft)
-        self._leaves, self._treedef = jax.tree.flatten(self.state)
+        self._split = SplitRound(draft)
+        self._leaves = self._split.leaves
         self._free_bytes = free_bytes
         self._headroom = headroom
         self.unpad = unpad
         self._warned = False
-        self._folded: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head.
+        self._programs: dict[tuple[Any, ...], jax.stages.Compiled] = {}
         self._eager: dict[int, jax.stages.Compiled] = {}  # bucket -> the eager path's input gather
         self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
@@ -246,30 +273,38 @@ class Proposer:
             )
 
     # ------------------------------------------------------------ compiling
-    def _specs(self, bucket: int) -> tuple[Any, ...]:
-        """Abstract inputs of the compiled round at ``bucket`` rows."""
-        cache = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype)
+    def _packed_spec(self, bucket: int) -> jax.ShapeDtypeStruct:
+        """Abstract packed per-row inputs ``[Bp, 6 + n]`` (see :meth:`_pack_inputs`)."""
         n = int(jax.random.key_data(jax.random.key(0)).shape[-1])
-        i32 = jax.ShapeDtypeStruct((bucket,), jnp.int32)
-        return (
-            ContextCache(k=cache, v=cache),
-            i32,
-            i32,
-            i32,
-            jax.ShapeDtypeStruct((bucket,), jnp.float32),
-            i32,
-            jax.ShapeDtypeStruct((bucket, n), jnp.uint32),
-            jax.ShapeDtypeStruct((), jnp.bool_),
-        )
+        return jax.ShapeDtypeStruct((bucket, _KEY + n), jnp.uint32)
 
-    def _lower_folded(self, bucket: int, sampling: bool) -> jax.stages.Lowered:
-        fn = jax.jit(functools.partial(_folded_round, self.graphdef, self._treedef, sampling))
-        return fn.lower(self._leaves, *self._specs(bucket))
+    def _cache_spec(self) -> ContextCache:
+        cache = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype)
+        return ContextCache(k=cache, v=cache)
 
-    def _compile_folded(self, bucket: int, sampling: bool) -> jax.stages.Compiled:
-        if (bucket, sampling) not in self._folded:
-            self._folded[bucket, sampling] = self._lower_folded(bucket, sampling).compile()
-        return self._folded[bucket, sampling]
+    def _jobs(self, bucket: int, sampling: bool) -> dict[tuple[Any, ...], jax.stages.Lowered]:
+        """The programs a (bucket, mode) round needs and does not have yet, lowered.
+
+        A round is the backbone pieces of :class:`~dspark_jax.split_round.SplitRound`
+        (shared by both modes) and the mode's head.
+        """
+        cfg, jobs = self.cfg, {}
+        hidden = jax.ShapeDtypeStruct((bucket, cfg.num_query_rows, cfg.hidden_size), cfg.jnp_dtype)
+        for start, stop in self._split.ranges:
+            name = ("piece", bucket, start, stop)
+            if name not in self._programs:
+                fn = jax.jit(functools.partial(_backbone_piece, self._split, start, stop))
+                x = None if start == 0 else hidden
+                jobs[name] = fn.lower(self._leaves, x, self._cache_spec(), self._packed_spec(bucket))
+        name = ("head", bucket, sampling)
+        if name not in self._programs:
+            fn = jax.jit(functools.partial(_head_piece, self._split, sampling))
+            jobs[name] = fn.lower(self._leaves, hidden, self._packed_spec(bucket))
+        return jobs
+
+    def _compile_folded(self, bucket: int, sampling: bool) -> None:
+        """Compiles what the (bucket, mode) round still lacks."""
+        self._programs.update({name: lowered.compile() for name, lowered in self._jobs(bucket, sampling).items()})
 
     def _lower_slicer(self, rows: int, sampling: bool) -> jax.stages.Lowered:
         bucket, cfg = self.bucket(rows), self.cfg
@@ -304,15 +339,24 @@ class Proposer:
         jitted stages by running them once on zeros of the gathered rows' shape."""
         if bucket in self._eager:
             return
-        cache_spec, slots_spec, *_, key_spec, flag_spec = self._specs(bucket)
-        gather = jax.jit(_eager_inputs).lower(cache_spec, slots_spec, key_spec, flag_spec).compile()
+        gather = jax.jit(_eager_inputs).lower(self._cache_spec(), self._packed_spec(bucket)).compile()
         rows_shape = (self.cache_shape[0], bucket, *self.cache_shape[2:])  # [L, Bp, C, KVH, D]
         rows = ContextCache(k=jnp.zeros(rows_shape, self.cache_dtype), v=jnp.zeros(rows_shape, self.cache_dtype))
         zeros = np.zeros(bucket, np.int32)
-        _, bonus, prefix_lens, temperatures, top_k, key_data, _ = self._pad_inputs(
+        packed = self._pack_inputs(
             bucket, zeros, zeros, np.ones(bucket, np.float32), np.full(bucket, TOP_K_ALL), jax.random.key(0), zeros
         )
-        run_eager(self.graphdef, self.state, rows, bonus, prefix_lens, temperatures, top_k, jnp.asarray(key_data))
+        inp = jax.jit(_unpack)(packed)
+        run_eager(
+            self.graphdef,
+            self.state,
+            rows,
+            inp["bonus"],
+            inp["prefix_lens"],
+            inp["temperatures"],
+            inp["top_k"],
+            inp["keys"],
+        )
         self._eager[bucket] = gather
 
     def precompile(self, *, workers: int | None = None) -> GateDecision:
@@ -336,27 +380,31 @@ class Proposer:
         if workers is None:
             workers = 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
         top = self.buckets[-1]
-        jobs = {(b, False): self._lower_folded(b, False) for b in self.buckets if (b, False) not in self._folded}
+        jobs = {}
+        for bucket in self.buckets:
+            jobs.update(self._jobs(bucket, False))
         # The gate compares the larger estimate, so XLA's can only matter when the closed form fits.
         measure = self.gate.mode is FoldedSampling.FORCE or self.gate.enabled
-        if measure and (top, True) not in self._folded:
-            jobs[top, True] = self._lower_folded(top, True)
-        self._compile_many(jobs, self._folded, workers)
         if measure:
-            extra = sampling_extra_bytes(self._folded[top, True], self._folded[top, False])
+            jobs.update(self._jobs(top, True))
+        self._compile_many(jobs, self._programs, workers)
+        if measure:
+            # The backbone pieces are shared: the heads alone differ between the modes.
+            extra = sampling_extra_bytes(self._programs["head", top, True], self._programs["head", top, False])
             self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
             if not self.gate.enabled:
-                del self._folded[top, True]
+                del self._programs["head", top, True]
         jobs = {}
         if self.gate.enabled:
-            jobs = {(b, True): self._lower_folded(b, True) for b in self.buckets if (b, True) not in self._folded}
+            for bucket in self.buckets:
+                jobs.update(self._jobs(bucket, True))
         slicers = {
             (rows, sampling): self._lower_slicer(rows, sampling)
             for rows in range(1, self.max_batch + 1)
             for sampling in (False, True)
             if self.unpad and rows != self.bucket(rows) and (rows, sampling) not in self._slicers
         }
-        self._compile_many(jobs, self._folded, workers)
+        self._compile_many(jobs, self._programs, workers)
         self._compile_many(slicers, self._slicers, workers)
         if not self.gate.enabled:
             for bucket in self.buckets:
@@ -368,38 +416,46 @@ class Proposer:
         """The smallest bucket holding ``rows``."""
         return next(b for b in self.buckets if b >= rows)
 
-    def _pad_inputs(self, bucket, bonus, prefix_lens, temperatures, top_k, key, slots):
-        """Host-side padding to ``bucket`` rows; keys become raw ``[Bp, n]`` data."""
+    def _pack_inputs(self, bucket, bonus, prefix_lens, temperatures, top_k, key, slots) -> np.ndarray:
+        """Host-side padding to ``bucket`` rows, packed into one ``[Bp, 6 + n]`` uint32 array.
+
+        Columns: slot, bonus, prefix_len, top_k, the temperature's float32 bits, a per-row
+        key flag (every row alike), then the ``n`` words of the row's raw key (one key
+        broadcast when ``per_row`` is 0; the round folds the row index in). Padded rows:
+        slot 0, bonus 0, prefix_len 0, greedy.
+        """
         rows = len(bonus)
-
-        def pad(x, dtype, fill=0):
-            out = np.full(bucket, fill, dtype)
-            out[:rows] = np.asarray(x)
-            return out
-
         if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         key = np.asarray(key, np.uint32)
-        per_row = key.ndim == 2
-        if per_row:
-            key_data = np.zeros((bucket, key.shape[-1]), np.uint32)
-            key_data[:rows] = key
-        else:
-            key_data = np.ascontiguousarray(np.broadcast_to(key, (bucket, key.shape[-1])))
-        return (
-            pad(slots, np.int32),
-            pad(bonus, np.int32),
-            pad(prefix_lens, np.int32),
-            pad(temperatures, np.float32),
-            pad(top_k, np.int32),
-            key_data,
-            np.bool_(per_row),
-        )
+        packed = np.zeros((bucket, _KEY + key.shape[-1]), np.uint32)
+        for column, values in ((_SLOTS, slots), (_BONUS, bonus), (_PREFIX, prefix_lens), (_TOP_K, top_k)):
+            packed[:rows, column] = np.asarray(values)
+        packed[:rows, _TEMPS] = np.asarray(temperatures, np.float32).view(np.uint32)
+        packed[:, _PER_ROW] = key.ndim == 2
+        packed[:rows, _KEY:] = key  # [B, n] per row, or [n] broadcast
+        if key.ndim == 1:
+            packed[rows:, _KEY:] = key
+        return packed
 
-    def _run_eager(self, bucket, cache, slots, bonus, prefix_lens, temperatures, top_k, key_data, per_row):
+    def _program(self, name: tuple[Any, ...]) -> jax.stages.Compiled:
+        if name not in self._programs:
+            self._compile_folded(name[1], name[2] if name[0] == "head" else False)
+        return self._programs[name]
+
+    def _run_eager(self, bucket, cache, packed):
         self._warm_eager(bucket)
-        rows, keys = self._eager[bucket](cache, slots, key_data, per_row)
-        return run_eager(self.graphdef, self.state, rows, bonus, prefix_lens, temperatures, top_k, keys)
+        rows, inp = self._eager[bucket](cache, packed)
+        return run_eager(
+            self.graphdef,
+            self.state,
+            rows,
+            inp["bonus"],
+            inp["prefix_lens"],
+            inp["temperatures"],
+            inp["top_k"],
+            inp["keys"],
+        )
 
     def __call__(
         self,
@@ -449,11 +505,15 @@ class Proposer:
             )
         sampling = bool(np.any((np.asarray(top_k) > 1) & (np.asarray(temperatures) > 0)))
         bucket = self.bucket(rows)
-        args = self._pad_inputs(bucket, bonus, prefix_lens, temperatures, top_k, key, slots)
+        packed = self._pack_inputs(bucket, bonus, prefix_lens, temperatures, top_k, key, slots)
         if sampling and not self.gate.enabled:
-            block = self._run_eager(bucket, cache, *args)
+            block = self._run_eager(bucket, cache, packed)
         else:
-            block = self._compile_folded(bucket, sampling)(self._leaves, cache, *args)
+            packed = jax.device_put(packed)
+            x = None
+            for start, stop in self._split.ranges:
+                x = self._program(("piece", bucket, start, stop))(self._leaves, x, cache, packed)
+            block = self._program(("head", bucket, sampling))(self._leaves, x, packed)
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)

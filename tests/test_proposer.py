@@ -16,7 +16,7 @@ from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
 from dspark_jax.sampling import TOP_K_ALL
 
 SLOTS, CAPACITY, N_CTX = 5, 12, 6
-CFG = dict(num_hidden_layers=1)
+CFG = dict(num_hidden_layers=2)  # two backbone pieces per round (SplitRound)
 
 
 def make_cache(draft, seed=0):

@@ -1,0 +1,146 @@
+"""A folded draft round dispatched as a few consecutive executables.
+
+Shape legend: B batch, R query rows (γ or γ+1), H hidden, L draft layers, C capacity,
+N cache slots, KVH key/value heads, D head dim.
+
+On a GPU, XLA runs each jitted program as one CUDA graph (command buffer). Launching it
+costs host time that grows with the graph's node count, and when the caller still holds
+the previous round's outputs, the new outputs land at other addresses and XLA first
+updates the graph's nodes (measured on the H200 host with the 8B draft: 100–540 µs of
+update for a 153–181 node round, on top of the launch). The device waits for all of it:
+a round's latency is that host time plus the device time.
+
+:class:`SplitRound` runs the same maths as :func:`~dspark_jax.proposal.propose` in
+pieces cut at layer boundaries: ``front`` (the in-graph embedding and the first
+``front_layers`` layers), ``rest`` (the remaining layers) and ``head`` (final norm, base
+logits, the Markov walk with in-graph sampling, confidence). The device starts once the
+small ``front`` graph is launched, and the host launches the next pieces (and updates the
+``head``'s graph, whose outputs are the round's) while the device runs the earlier ones.
+Between pieces only the ``[B, R, H]`` residual stream passes, on the device; nothing
+returns to the host. Each piece is compiled once per batch shape, like the one-program
+round, and the backbone pieces are shared by the greedy-only and the sampling round.
+
+The pieces are the pure functions :func:`~dspark_jax.proposal.backbone_stage` and
+:func:`~dspark_jax.proposal.head_stage`; :func:`~dspark_jax.proposal.propose_with` chains
+the same two in one program, so both forms compute the same tokens (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from dspark_jax.cache import ContextCache
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.proposal import DraftBlock, backbone_stage, check_shapes, head_stage
+
+
+def layer_ranges(num_layers: int, front_layers: int) -> tuple[tuple[int, int], ...]:
+    """The backbone pieces' layer ranges ``(start, stop)``: ``[0, f)`` then ``[f, L)`` if not empty.
+
+    Args:
+      num_layers: ``L``.
+      front_layers: ``f``, layers in the first piece (``>= 1``).
+
+    Raises:
+      ValueError: ``front_layers`` is not an integer >= 1.
+    """
+    if isinstance(front_layers, bool) or not isinstance(front_layers, int) or front_layers < 1:
+        raise ValueError(f"front_layers={front_layers!r} is invalid: must be an integer >= 1")
+    front = min(front_layers, num_layers)
+    return ((0, front),) if front == num_layers else ((0, front), (front, num_layers))
+
+
+class SplitRound:
+    """The folded round as ``front → rest → head`` executables (see the module docstring).
+
+    Example::
+
+        split = SplitRound(draft)
+        block = split(cache, bonus, prefix_lens, temperatures, top_k, key)  # a DraftBlock
+        block = split(cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling=False)
+
+    The draft is split once at construction (later changes to the module are not seen).
+    Inputs are checked for shape (as :func:`~dspark_jax.proposal.propose` does, on tracers
+    too); :func:`~dspark_jax.proposal.validate_proposal_inputs` checks values on the host.
+    """
+
+    def __init__(self, draft: DSparkDraft, *, front_layers: int = 1):
+        """Splits the draft into its graph and a flat list of its arrays.
+
+        Args:
+          draft: the draft module.
+          front_layers: layers in the first piece (the rest form the second).
+        """
+        self.cfg = draft.cfg
+        self.ranges = layer_ranges(draft.cfg.num_hidden_layers, front_layers)
+        self.graphdef, state = nnx.split(draft)
+        # A flat list of arrays: flattening an nnx.State on every call costs host time.
+        self.leaves, self._treedef = jax.tree.flatten(state)
+        self._backbone = jax.jit(self.backbone, static_argnames=("start", "stop"))
+        self._head = jax.jit(self.head, static_argnames="fold_sampling")
+
+    def _draft(self, leaves: list[jax.Array]) -> DSparkDraft:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
+
+    def backbone(
+        self,
+        leaves: list[jax.Array],
+        x: jax.Array | None,
+        cache: ContextCache,
+        bonus: jax.Array,
+        prefix_lens: jax.Array,
+        slots: jax.Array | None,
+        *,
+        start: int,
+        stop: int,
+    ) -> jax.Array:
+        """Pure: :func:`~dspark_jax.proposal.backbone_stage` over the draft rebuilt from ``leaves``.
+
+        Returns:
+          ``[B, R, H]`` the residual stream after layer ``stop − 1``.
+        """
+        return backbone_stage(self._draft(leaves), x, cache, bonus, prefix_lens, start=start, stop=stop, slots=slots)
+
+    def head(
+        self,
+        leaves: list[jax.Array],
+        x: jax.Array,
+        bonus: jax.Array,
+        temperatures: jax.Array,
+        top_k: jax.Array,
+        key: jax.Array,
+        *,
+        fold_sampling: bool,
+    ) -> DraftBlock:
+        """Pure: :func:`~dspark_jax.proposal.head_stage` over the draft rebuilt from ``leaves``."""
+        return head_stage(self._draft(leaves), x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
+
+    def __call__(
+        self,
+        cache: ContextCache,
+        bonus: Any,
+        prefix_lens: Any,
+        temperatures: Any,
+        top_k: Any,
+        key: Any,
+        *,
+        fold_sampling: bool = True,
+        slots: Any = None,
+    ) -> DraftBlock:
+        """Dispatches the pieces back to back and returns the round's (not yet ready) block.
+
+        Args:
+          cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, slots: as in
+            :func:`~dspark_jax.proposal.propose_with`.
+
+        Returns:
+          The :class:`~dspark_jax.proposal.DraftBlock`.
+        """
+        check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
+        x = None
+        for start, stop in self.ranges:
+            x = self._backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
+        return self._head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)

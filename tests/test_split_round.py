@@ -1,0 +1,121 @@
+"""SplitRound: the folded round as front → rest → head executables equals the one-program round."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from draft_testing import random_draft, tiny_config
+from flax import nnx
+
+from dspark_jax import bench
+from dspark_jax.attention_kernel import ATTENTION_ENV
+from dspark_jax.presets import load_preset
+from dspark_jax.proposal import backbone_stage, propose
+from dspark_jax.proposer import CompileCounter
+from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.split_round import SplitRound, layer_ranges
+
+CAPACITY = 16
+
+
+@pytest.fixture(scope="module")
+def three_layers():
+    """A 3-layer tiny draft, a 4-row context cache and one mixed call's inputs."""
+    draft = random_draft(tiny_config(num_hidden_layers=3), seed=4)
+    cache = bench.random_context(draft.cfg, 4, CAPACITY, jax.random.key(5))
+    inputs = dict(
+        bonus=jnp.array([1, 9, 30, 0], jnp.int32),
+        prefix_lens=jnp.array([5, 0, 9, 12], jnp.int32),
+        temperatures=jnp.array([0.0, 0.8, 1.3, 0.0], jnp.float32),
+        top_k=jnp.array([1, TOP_K_ALL, 20, TOP_K_ALL], jnp.int32),
+    )
+    return draft, cache, inputs
+
+
+def _assert_same_block(a, b):
+    np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
+    np.testing.assert_array_equal(np.asarray(a.greedy_mask), np.asarray(b.greedy_mask))
+    np.testing.assert_allclose(np.asarray(a.corrected_logits), np.asarray(b.corrected_logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.confidence), np.asarray(b.confidence), atol=1e-6)
+    assert a.corrected_logits.shape == b.corrected_logits.shape
+
+
+def test_layer_ranges_cover_every_layer_once():
+    assert layer_ranges(5, 1) == ((0, 1), (1, 5))
+    assert layer_ranges(5, 3) == ((0, 3), (3, 5))
+    assert layer_ranges(1, 1) == ((0, 1),)
+    assert layer_ranges(2, 7) == ((0, 2),)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"front_layers=.* is invalid: must be an integer >= 1"):
+            layer_ranges(5, bad)
+
+
+@pytest.mark.parametrize("front_layers", [1, 2, 3])
+@pytest.mark.parametrize("fold_sampling", [True, False])
+def test_split_round_equals_one_program_round(three_layers, front_layers, fold_sampling):
+    draft, cache, inputs = three_layers
+    key = jax.random.key(11)
+    graphdef, state = nnx.split(draft)
+    whole = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    want = whole(graphdef, state, cache, **inputs, key=key, fold_sampling=fold_sampling)
+    split = SplitRound(draft, front_layers=front_layers)
+    assert len(split.ranges) == (1 if front_layers == 3 else 2)
+    got = split(cache, **inputs, key=key, fold_sampling=fold_sampling)
+    _assert_same_block(got, want)
+    if fold_sampling:  # the sampling rows really sampled from the folded noise
+        assert not np.asarray(got.greedy_mask)[1:3].any()
+
+
+def test_split_round_with_slots_and_the_kernel_equals_propose_on_gathered_rows(monkeypatch):
+    """bf16 cache through the Pallas interpreter: slots read in place across the pieces."""
+    monkeypatch.setenv(ATTENTION_ENV, "pallas")
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    draft = nnx.merge(graphdef, state)
+    assert cfg.num_hidden_layers >= 2  # both pieces run
+    cache = bench.random_context(cfg, 6, 48, jax.random.key(3))
+    slots = jnp.array([5, 1, 2], jnp.int32)
+    gathered = type(cache)(k=cache.k[:, slots], v=cache.v[:, slots])
+    bonus, lens = jnp.array([3, 7, 11], jnp.int32), jnp.array([20, 0, 41], jnp.int32)
+    temps, top_k = bench.sampling_params(3, "mixed")
+    got = SplitRound(draft)(cache, bonus, lens, temps, top_k, jax.random.key(4), slots=slots)
+    whole = jax.jit(lambda c, *a: propose(graphdef, state, c, *a))
+    want = whole(gathered, bonus, lens, temps, top_k, jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(got.draft_tokens), np.asarray(want.draft_tokens))
+    # bf16: in one program XLA may keep a layer's output in float32 inside a fusion; between
+    # pieces it is stored as bf16. The logits agree to bf16 rounding.
+    a, b = np.asarray(got.corrected_logits, np.float64), np.asarray(want.corrected_logits, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_split_round_compiles_once_per_shape(three_layers):
+    draft, cache, inputs = three_layers
+    split = SplitRound(draft)
+    jax.block_until_ready(split(cache, **inputs, key=jax.random.key(0)))
+    with CompileCounter() as counter:
+        blocks = [split(cache, **inputs, key=jax.random.key(i)) for i in range(1, 6)]
+        jax.block_until_ready(blocks)
+    assert counter.count == 0
+    tokens = {tuple(np.asarray(b.draft_tokens)[1]) for b in blocks}
+    assert len(tokens) > 1  # the key reaches the sampling rows
+
+
+def test_bad_shapes_and_ranges_are_rejected(three_layers):
+    draft, cache, inputs = three_layers
+    split = SplitRound(draft)
+    bad = dict(inputs, bonus=inputs["bonus"][:3])
+    with pytest.raises(ValueError, match=r"prefix_lens has shape \(4,\): expected \[3\] like bonus"):
+        split(cache, **bad, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"slots has shape \(2,\): expected \[4\] like bonus"):
+        split(cache, **inputs, key=jax.random.key(0), slots=jnp.array([0, 1]))
+    x = jnp.zeros((4, draft.cfg.num_query_rows, draft.cfg.hidden_size), draft.cfg.jnp_dtype)
+    with pytest.raises(ValueError, match=r"x must be None exactly when start == 0"):
+        backbone_stage(draft, x, cache, inputs["bonus"], inputs["prefix_lens"], start=0)
+    with pytest.raises(ValueError, match=r"x must be None exactly when start == 0"):
+        backbone_stage(draft, None, cache, inputs["bonus"], inputs["prefix_lens"], start=1)
+    with pytest.raises(
+        ValueError, match=r"layer range start=2, stop=4 is invalid: must satisfy 0 <= start <= stop <= 3"
+    ):
+        backbone_stage(draft, x, cache, inputs["bonus"], inputs["prefix_lens"], start=2, stop=4)
