@@ -134,19 +134,22 @@ def _gather(cache: ContextCache, slots: jax.Array) -> ContextCache:
     return ContextCache(k=cache.k[:, slots], v=cache.v[:, slots])  # [L, Bp, C, KVH, D]
 
 
-def _keys(key_data: jax.Array, per_row: jax.Array) -> jax.Array:
-    """Raw per-row keys ``[Bp, n]``: given ones, or ``fold_in(key, b)`` of one broadcast key."""
-    rows = jnp.arange(key_data.shape[0], dtype=jnp.uint32)
-    folded = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), rows)
-    return jnp.where(per_row, key_data, jax.random.key_data(folded))
+def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array:
+    """Raw per-row keys ``[Bp, n]``: the given rows' ones, or ``fold_in(key, b)`` of one typed key."""
+    index = jnp.arange(rows_data.shape[0], dtype=jnp.uint32)
+    folded = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, index)
+    return jnp.where(per_row, rows_data, jax.random.key_data(folded))
 
 
 # Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
 _SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
 
 
-def _unpack(packed: jax.Array) -> dict[str, jax.Array]:
-    """``[Bp, 6 + n]`` uint32 packed inputs → the round's arrays (see ``Proposer._pack_inputs``)."""
+def _unpack(packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
+    """``[Bp, 6 + n]`` uint32 packed inputs and the call's typed key → the round's arrays.
+
+    See ``Proposer._pack_inputs`` for the columns.
+    """
     ints = packed[:, :_TEMPS].astype(jnp.int32)
     return {
         "slots": ints[:, _SLOTS],
@@ -154,19 +157,19 @@ def _unpack(packed: jax.Array) -> dict[str, jax.Array]:
         "prefix_lens": ints[:, _PREFIX],
         "top_k": ints[:, _TOP_K],
         "temperatures": jax.lax.bitcast_convert_type(packed[:, _TEMPS], jnp.float32),
-        "keys": _keys(packed[:, _KEY:], packed[0, _PER_ROW] != 0),
+        "keys": _keys(packed[:, _KEY:], packed[0, _PER_ROW] != 0, key),
     }
 
 
 def _backbone_piece(split: SplitRound, start: int, stop: int, leaves, x, cache, packed):
     # The slots go to the draft, not through a gather: the GPU attention kernel reads the
     # requests' context where it lies (the XLA path gathers inside the draft).
-    inp = _unpack(packed)
-    return split.backbone(leaves, x, cache, inp["bonus"], inp["prefix_lens"], inp["slots"], start=start, stop=stop)
+    ints = packed[:, :_TEMPS].astype(jnp.int32)
+    return split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
 
 
-def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed):
-    inp = _unpack(packed)
+def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed, key):
+    inp = _unpack(packed, key)
     return split.head(
         leaves,
         x,
@@ -178,8 +181,8 @@ def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed):
     )
 
 
-def _eager_inputs(cache, packed):
-    inp = _unpack(packed)
+def _eager_inputs(cache, packed, key):
+    inp = _unpack(packed, key)
     return _gather(cache, inp["slots"]), inp
 
 
@@ -275,8 +278,11 @@ class Proposer:
     # ------------------------------------------------------------ compiling
     def _packed_spec(self, bucket: int) -> jax.ShapeDtypeStruct:
         """Abstract packed per-row inputs ``[Bp, 6 + n]`` (see :meth:`_pack_inputs`)."""
-        n = int(jax.random.key_data(jax.random.key(0)).shape[-1])
-        return jax.ShapeDtypeStruct((bucket, _KEY + n), jnp.uint32)
+        return jax.ShapeDtypeStruct((bucket, _KEY + self._key_words), jnp.uint32)
+
+    @functools.cached_property
+    def _key_spec(self) -> jax.ShapeDtypeStruct:
+        return jax.eval_shape(lambda: jax.random.key(0))
 
     def _cache_spec(self) -> ContextCache:
         cache = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype)
@@ -299,7 +305,7 @@ class Proposer:
         name = ("head", bucket, sampling)
         if name not in self._programs:
             fn = jax.jit(functools.partial(_head_piece, self._split, sampling))
-            jobs[name] = fn.lower(self._leaves, hidden, self._packed_spec(bucket))
+            jobs[name] = fn.lower(self._leaves, hidden, self._packed_spec(bucket), self._key_spec)
         return jobs
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
@@ -339,14 +345,14 @@ class Proposer:
         jitted stages by running them once on zeros of the gathered rows' shape."""
         if bucket in self._eager:
             return
-        gather = jax.jit(_eager_inputs).lower(self._cache_spec(), self._packed_spec(bucket)).compile()
+        gather = jax.jit(_eager_inputs).lower(self._cache_spec(), self._packed_spec(bucket), self._key_spec).compile()
         rows_shape = (self.cache_shape[0], bucket, *self.cache_shape[2:])  # [L, Bp, C, KVH, D]
         rows = ContextCache(k=jnp.zeros(rows_shape, self.cache_dtype), v=jnp.zeros(rows_shape, self.cache_dtype))
         zeros = np.zeros(bucket, np.int32)
-        packed = self._pack_inputs(
+        packed, key = self._pack_inputs(
             bucket, zeros, zeros, np.ones(bucket, np.float32), np.full(bucket, TOP_K_ALL), jax.random.key(0), zeros
         )
-        inp = jax.jit(_unpack)(packed)
+        inp = jax.jit(_unpack)(packed, key)
         run_eager(
             self.graphdef,
             self.state,
@@ -416,36 +422,47 @@ class Proposer:
         """The smallest bucket holding ``rows``."""
         return next(b for b in self.buckets if b >= rows)
 
-    def _pack_inputs(self, bucket, bonus, prefix_lens, temperatures, top_k, key, slots) -> np.ndarray:
+    def _pack_inputs(self, bucket, bonus, prefix_lens, temperatures, top_k, key, slots) -> tuple[np.ndarray, jax.Array]:
         """Host-side padding to ``bucket`` rows, packed into one ``[Bp, 6 + n]`` uint32 array.
 
         Columns: slot, bonus, prefix_len, top_k, the temperature's float32 bits, a per-row
-        key flag (every row alike), then the ``n`` words of the row's raw key (one key
-        broadcast when ``per_row`` is 0; the round folds the row index in). Padded rows:
-        slot 0, bonus 0, prefix_len 0, greedy.
+        key flag (every row alike), then the ``n`` words of the row's raw key when keys are
+        given per row. Padded rows: slot 0, bonus 0, prefix_len 0, greedy.
+
+        Returns:
+          ``(packed, key)``: ``key`` is the call's one typed key (row ``b`` samples with
+          ``fold_in(key, b)``), passed to the round as it is, so a key already on the device
+          is never copied back to the host; with per-row keys it is a placeholder and the
+          keys' data travel in ``packed`` (read on the host: it waits for them).
         """
         rows = len(bonus)
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        key = np.asarray(key, np.uint32)
-        packed = np.zeros((bucket, _KEY + key.shape[-1]), np.uint32)
+        packed = np.zeros((bucket, _KEY + self._key_words), np.uint32)
         for column, values in ((_SLOTS, slots), (_BONUS, bonus), (_PREFIX, prefix_lens), (_TOP_K, top_k)):
             packed[:rows, column] = np.asarray(values)
         packed[:rows, _TEMPS] = np.asarray(temperatures, np.float32).view(np.uint32)
-        packed[:, _PER_ROW] = key.ndim == 2
-        packed[:rows, _KEY:] = key  # [B, n] per row, or [n] broadcast
-        if key.ndim == 1:
-            packed[rows:, _KEY:] = key
-        return packed
+        typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if np.ndim(key) == (0 if typed else 1):  # one key for the whole batch
+            return packed, key if typed else jax.random.wrap_key_data(key)
+        packed[:, _PER_ROW] = 1
+        packed[:rows, _KEY:] = np.asarray(jax.random.key_data(key) if typed else key, np.uint32)
+        return packed, self._placeholder_key
+
+    @functools.cached_property
+    def _placeholder_key(self) -> jax.Array:
+        return jax.random.key(0)
+
+    @functools.cached_property
+    def _key_words(self) -> int:
+        return int(jax.random.key_data(jax.random.key(0)).shape[-1])
 
     def _program(self, name: tuple[Any, ...]) -> jax.stages.Compiled:
         if name not in self._programs:
             self._compile_folded(name[1], name[2] if name[0] == "head" else False)
         return self._programs[name]
 
-    def _run_eager(self, bucket, cache, packed):
+    def _run_eager(self, bucket, cache, packed, key):
         self._warm_eager(bucket)
-        rows, inp = self._eager[bucket](cache, packed)
+        rows, inp = self._eager[bucket](cache, packed, key)
         return run_eager(
             self.graphdef,
             self.state,
@@ -505,15 +522,15 @@ class Proposer:
             )
         sampling = bool(np.any((np.asarray(top_k) > 1) & (np.asarray(temperatures) > 0)))
         bucket = self.bucket(rows)
-        packed = self._pack_inputs(bucket, bonus, prefix_lens, temperatures, top_k, key, slots)
+        packed, key = self._pack_inputs(bucket, bonus, prefix_lens, temperatures, top_k, key, slots)
         if sampling and not self.gate.enabled:
-            block = self._run_eager(bucket, cache, packed)
+            block = self._run_eager(bucket, cache, packed, key)
         else:
             packed = jax.device_put(packed)
             x = None
             for start, stop in self._split.ranges:
                 x = self._program(("piece", bucket, start, stop))(self._leaves, x, cache, packed)
-            block = self._program(("head", bucket, sampling))(self._leaves, x, packed)
+            block = self._program(("head", bucket, sampling))(self._leaves, x, packed, key)
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)
