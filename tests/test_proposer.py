@@ -187,3 +187,22 @@ def test_bad_call_raises_before_any_compilation(forced, case):
     with CompileCounter() as counter, pytest.raises(error, match=message):
         proposer(cache, **args)
     assert counter.count == 0 and counter.lowerings == 0
+
+
+def test_every_key_form_samples_the_same_rows(forced):
+    """One typed key, its raw data, and the per-row keys ``fold_in(key, b)`` (typed or raw)
+    are the same keys to the round: the packed inputs and the key argument agree."""
+    draft, proposer, cache = forced
+    rng = np.random.default_rng(5)
+    args = random_call(rng, draft.cfg.vocab_size, 3)
+    args["temperatures"] = np.array([1.0, 0.9, 1.4], np.float32)
+    args["top_k"] = np.full(3, TOP_K_ALL)
+    key = jax.random.key(123)
+    per_row = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(3, dtype=jnp.uint32))
+    forms = [key, jax.random.key_data(key), np.asarray(jax.random.key_data(key)), per_row, jax.random.key_data(per_row)]
+    blocks = [proposer(cache, **args, key=k) for k in forms]
+    for block in blocks[1:]:
+        np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(blocks[0].draft_tokens))
+        np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(blocks[0].corrected_logits))
+    other = proposer(cache, **args, key=jax.random.key(124))
+    assert not np.array_equal(np.asarray(other.draft_tokens), np.asarray(blocks[0].draft_tokens))
