@@ -923,7 +923,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "meta": {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": "dspark-jax bench " + " ".join(sys.argv[1:]),
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
             "shapes": shapes.name,
             "draft": draft_config(shapes).to_hf_config(),
             "context": shapes.context,
