@@ -245,7 +245,10 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
       median time until the call returns, before its result is ready (host work); and
       ``pipelined_ms``, the mean time per call over ``iters`` calls dispatched back to
       back with one wait at the end (host work overlapping device work, as in a serving
-      loop that does not read every result at once).
+      loop that does not read every result at once); ``released_median_ms``, the median
+      when the previous call's result is dropped before each call (a loop that frees each
+      block once verified: XLA then need not update the program's CUDA graph for new output
+      addresses).
     """
     for _ in range(warmup):
         jax.block_until_ready(fn())
@@ -262,6 +265,13 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
         out = fn()  # in-order execution: the last result ready means all are done
     jax.block_until_ready(out)
     pipelined = (time.perf_counter() - t0) * 1e3 / iters
+    released = []
+    for _ in range(iters):
+        out = None  # nothing of the previous call is alive during this one
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        released.append((time.perf_counter() - t0) * 1e3)
+    del out
     p10, med, p90 = np.percentile(times, [10, 50, 90])
     return {
         "median_ms": float(med),
@@ -269,6 +279,7 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
         "p90_ms": float(p90),
         "dispatch_ms": float(np.median(dispatch)),
         "pipelined_ms": pipelined,
+        "released_median_ms": float(np.median(released)),
         "iters": iters,
     }
 
@@ -772,12 +783,14 @@ def format_table(result: dict[str, Any]) -> str:
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
+        f"{'released':>8} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
         f"{'graph/jax':>9}"
     )
     lines += [
         "propose latency, ms: median and p90 of calls waited for one by one; dispatch = host time per call; "
-        "pipelined = per call when dispatched back to back",
+        "pipelined = per call when dispatched back to back; released = median when the previous result is "
+        "dropped before each call",
         header,
         "-" * len(header),
     ]
@@ -788,7 +801,8 @@ def format_table(result: dict[str, Any]) -> str:
         graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
             f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
-            f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('floor_ms')):>7} "
+            f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('released_median_ms')):>8} "
+            f"{_fmt(r.get('floor_ms')):>7} "
             f"{r.get('floor_bound', '-'):<5} "
             f"{_fmt(r['median_ms'] / r['floor_ms'] if r.get('floor_ms') else None, '.2f'):>7} "
             f"{_fmt(r.get('floor_copy_ms')):>10} "
@@ -923,7 +937,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "meta": {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "command": "dspark-jax bench " + " ".join(_bench_argv(args)),
             "shapes": shapes.name,
             "draft": draft_config(shapes).to_hf_config(),
             "context": shapes.context,
@@ -950,6 +964,13 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     _save(args.out, result)
     return 0
+
+
+def _bench_argv(args: argparse.Namespace) -> list[str]:
+    """The flags this run was given: from :func:`main`, or after ``bench`` in ``dspark-jax bench …``."""
+    if getattr(args, "argv", None) is not None:
+        return args.argv
+    return sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
 
 
 def _save(path: str | None, result: dict[str, Any]) -> None:
@@ -1002,7 +1023,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m dspark_jax.bench`` or ``dspark-jax bench``."""
     parser = argparse.ArgumentParser(prog="dspark-jax bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return run(args)
 
 
 if __name__ == "__main__":

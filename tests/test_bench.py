@@ -21,12 +21,14 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     rows = tiny_result["propose"]
     seen = {(r["batch"], r["mode"], r["path"]) for r in rows}
     assert (1, "greedy", "folded_greedy") in seen and (1, "greedy", "jit_static") in seen
+    assert (1, "greedy", "split_greedy") in seen
     for mode in bench.MODES:
-        for path in ("folded", "proposer", "eager"):
+        for path in ("folded", "split", "proposer", "eager"):
             assert (1, mode, path) in seen
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
-        if r["path"].startswith("folded"):
+        assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0
+        if r["path"].startswith(("folded", "split")):
             assert r["floor_ms"] > 0 and r["floor_bound"] in ("bytes", "flops")
 
 
@@ -39,6 +41,7 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
         assert e2e[name] > 0
     assert tiny_result["meta"]["shapes"] == "tiny"
+    assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
 
 
 def test_table_has_a_line_per_timed_row(tiny_result):
