@@ -51,17 +51,7 @@ from dspark_jax.presets import load_preset
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
-PATHS = (
-    "folded_greedy",
-    "folded",
-    "split_greedy",
-    "split",
-    "split_stable_greedy",
-    "split_stable",
-    "jit_static",
-    "proposer",
-    "eager",
-)
+PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -394,8 +384,7 @@ def bench_propose(
     batches only), ``jit_static`` (greedy-only again, jitted the plain way with the
     graphdef as a static argument, to show what that costs per call), ``split_greedy`` and
     ``split`` (the same two programs dispatched as :class:`~dspark_jax.split_round.SplitRound`
-    pieces, greedy-only and sampling folded), ``split_stable_greedy`` and ``split_stable``
-    (the same with ``stable_outputs=True``), ``proposer``
+    pieces, greedy-only and sampling folded), ``proposer``
     (:class:`~dspark_jax.proposer.Proposer`: host-side checks and padding, the slot
     gather, the folded round; inputs on the host as a server holds them) and ``eager``
     (:func:`~dspark_jax.proposal.propose_eager`).
@@ -412,7 +401,7 @@ def bench_propose(
     folded, leaves = jit_split(propose, graphdef, state, static_argnames="fold_sampling")
     static = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     draft = nnx.merge(graphdef, state)
-    splits = {False: SplitRound(draft), True: SplitRound(draft, stable_outputs=True)}
+    split = SplitRound(draft)
     capacity = context + 2 * cfg.num_query_rows
     if "proposer" in paths:
         proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
@@ -429,8 +418,6 @@ def bench_propose(
             ("folded", True, MODES),
             ("split_greedy", False, ("greedy",)),
             ("split", True, MODES),
-            ("split_stable_greedy", False, ("greedy",)),
-            ("split_stable", True, MODES),
             ("jit_static", False, ("greedy",)),
         ):
             path_modes = [m for m in path_modes if m in modes] if path in paths else []
@@ -443,7 +430,7 @@ def bench_propose(
                 if path == "jit_static":
                     fn, args = static, (graphdef, state, *args)
                 elif path.startswith("split"):
-                    fn = splits["stable" in path]
+                    fn = split
                 else:
                     fn, args = folded, (leaves, *args)
 
@@ -795,7 +782,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
-        f"{'batch':>5} {'mode':<8} {'path':<19} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
+        f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
         f"{'released':>8} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
         f"{'graph/jax':>9}"
@@ -810,11 +797,10 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result.get("propose", []):
         key = (r["batch"], r["mode"])
         # PyTorch runs a greedy-only program for greedy batches, the full one otherwise.
-        greedy_paths = ("folded_greedy", "split_greedy", "split_stable_greedy")
-        paired = r["path"] in (greedy_paths if r["mode"] == "greedy" else ("folded", "split", "split_stable"))
+        paired = r["path"] in (("folded_greedy", "split_greedy") if r["mode"] == "greedy" else ("folded", "split"))
         graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
-            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<19} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
             f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('released_median_ms')):>8} "
             f"{_fmt(r.get('floor_ms')):>7} "
             f"{r.get('floor_bound', '-'):<5} "

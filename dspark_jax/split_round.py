@@ -20,14 +20,6 @@ Between pieces only the ``[B, R, H]`` residual stream passes, on the device; not
 returns to the host. Each piece is compiled once per batch shape, like the one-program
 round, and the backbone pieces are shared by the greedy-only and the sampling round.
 
-With ``stable_outputs=True`` a fourth, small piece ``publish`` writes the round's
-:class:`~dspark_jax.proposal.DraftBlock`: the head stores its results in one packed
-``[B, W]`` uint32 array of a size no block field has, which only ``publish`` reads and
-which is freed when the call returns, so the allocator hands the head the same addresses
-every round and XLA never updates the head's graph, even while the caller holds earlier
-blocks; only ``publish``'s few copy nodes are updated. It costs a device copy of the
-``[B, γ, V]`` float32 logits when sampling is folded.
-
 The pieces are the pure functions :func:`~dspark_jax.proposal.backbone_stage` and
 :func:`~dspark_jax.proposal.head_stage`; :func:`~dspark_jax.proposal.propose_with` chains
 the same two in one program, so both forms compute the same tokens (tested).
@@ -38,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.cache import ContextCache
@@ -62,52 +53,6 @@ def layer_ranges(num_layers: int, front_layers: int) -> tuple[tuple[int, int], .
     return ((0, front),) if front == num_layers else ((0, front), (front, num_layers))
 
 
-def _small_columns(gamma: int) -> int:
-    """Columns of the packed block before the logits: tokens, confidence, mask, temperature,
-    padded to a multiple of 64 (at least 256 bytes a row: a size no other field has)."""
-    return -(-(2 * gamma + 2) // 64) * 64
-
-
-def pack_block(block: DraftBlock) -> jax.Array:
-    """``DraftBlock`` → ``[B, S + γ·V']`` uint32 (``S`` = :func:`_small_columns`, ``V'`` = 0
-    or ``V``): tokens, confidence bits (zero-padded to γ), mask, temperature bits, then the
-    logits' bits. Bit patterns, not float values, so nothing is rounded or flushed."""
-    tokens = block.draft_tokens
-    b, gamma = tokens.shape
-
-    def bits(x):
-        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-
-    conf = jnp.pad(block.confidence, ((0, 0), (0, gamma - block.confidence.shape[1])))
-    small = [
-        tokens.astype(jnp.uint32),  # [B, γ]
-        bits(conf),  # [B, γ]
-        block.greedy_mask.astype(jnp.uint32)[:, None],  # [B, 1]
-        bits(block.temperatures)[:, None],  # [B, 1]
-    ]
-    small = jnp.concatenate(small, axis=1)
-    small = jnp.pad(small, ((0, 0), (0, _small_columns(gamma) - small.shape[1])))
-    return jnp.concatenate([small, bits(block.corrected_logits).reshape(b, -1)], axis=1)
-
-
-def unpack_block(packed: jax.Array, *, gamma: int, vocab: int, confidence: int) -> DraftBlock:
-    """Inverse of :func:`pack_block`: ``vocab`` is ``V'`` (0 without folded sampling),
-    ``confidence`` the confidence width (γ or 0)."""
-    b = packed.shape[0]
-    s = _small_columns(gamma)
-
-    def floats(x):
-        return jax.lax.bitcast_convert_type(x, jnp.float32)
-
-    return DraftBlock(
-        draft_tokens=packed[:, :gamma].astype(jnp.int32),
-        corrected_logits=floats(packed[:, s:]).reshape(b, gamma, vocab),
-        greedy_mask=packed[:, 2 * gamma] != 0,
-        temperatures=floats(packed[:, 2 * gamma + 1]),
-        confidence=floats(packed[:, gamma : gamma + confidence]),
-    )
-
-
 class SplitRound:
     """The folded round as ``front → rest → head`` executables (see the module docstring).
 
@@ -122,18 +67,13 @@ class SplitRound:
     too); :func:`~dspark_jax.proposal.validate_proposal_inputs` checks values on the host.
     """
 
-    def __init__(self, draft: DSparkDraft, *, front_layers: int = 1, stable_outputs: bool = False):
+    def __init__(self, draft: DSparkDraft, *, front_layers: int = 1):
         """Splits the draft into its graph and a flat list of its arrays.
 
         Args:
           draft: the draft module.
           front_layers: layers in the first piece (the rest form the second).
-          stable_outputs: write the block through the small ``publish`` piece (see the
-            module docstring).
         """
-        if not isinstance(stable_outputs, bool):
-            raise TypeError(f"stable_outputs={stable_outputs!r} is invalid: must be a bool")
-        self.stable_outputs = stable_outputs
         self.cfg = draft.cfg
         self.ranges = layer_ranges(draft.cfg.num_hidden_layers, front_layers)
         self.graphdef, state = nnx.split(draft)
@@ -141,8 +81,6 @@ class SplitRound:
         self.leaves, self._treedef = jax.tree.flatten(state)
         self._backbone = jax.jit(self.backbone, static_argnames=("start", "stop"))
         self._head = jax.jit(self.head, static_argnames="fold_sampling")
-        self._packed_head = jax.jit(self.packed_head, static_argnames="fold_sampling")
-        self._publish = jax.jit(self.publish, static_argnames="fold_sampling")
 
     def _draft(self, leaves: list[jax.Array]) -> DSparkDraft:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
@@ -180,20 +118,6 @@ class SplitRound:
         """Pure: :func:`~dspark_jax.proposal.head_stage` over the draft rebuilt from ``leaves``."""
         return head_stage(self._draft(leaves), x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
 
-    def packed_head(self, leaves, x, bonus, temperatures, top_k, key, *, fold_sampling: bool) -> jax.Array:
-        """Pure: :meth:`head` with its block packed by :func:`pack_block` (``stable_outputs``)."""
-        return pack_block(self.head(leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling))
-
-    def publish(self, packed: jax.Array, *, fold_sampling: bool) -> DraftBlock:
-        """Pure: the block of :meth:`packed_head`'s array."""
-        cfg = self.cfg
-        return unpack_block(
-            packed,
-            gamma=cfg.gamma,
-            vocab=cfg.vocab_size if fold_sampling else 0,
-            confidence=cfg.gamma if cfg.enable_confidence_head else 0,
-        )
-
     def __call__(
         self,
         cache: ContextCache,
@@ -219,7 +143,4 @@ class SplitRound:
         x = None
         for start, stop in self.ranges:
             x = self._backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
-        if not self.stable_outputs:
-            return self._head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
-        packed = self._packed_head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
-        return self._publish(packed, fold_sampling=fold_sampling)
+        return self._head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)

@@ -21,9 +21,9 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     rows = tiny_result["propose"]
     seen = {(r["batch"], r["mode"], r["path"]) for r in rows}
     assert (1, "greedy", "folded_greedy") in seen and (1, "greedy", "jit_static") in seen
-    assert (1, "greedy", "split_greedy") in seen and (1, "greedy", "split_stable_greedy") in seen
+    assert (1, "greedy", "split_greedy") in seen
     for mode in bench.MODES:
-        for path in ("folded", "split", "split_stable", "proposer", "eager"):
+        for path in ("folded", "split", "proposer", "eager"):
             assert (1, mode, path) in seen
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
