@@ -352,8 +352,12 @@ class Proposer:
         packed, key = self._pack_inputs(
             bucket, zeros, zeros, np.ones(bucket, np.float32), np.full(bucket, TOP_K_ALL), jax.random.key(0), zeros
         )
-        inp = jax.jit(_unpack)(packed, key)
-        run_eager(
+        self._eager_round(rows, jax.jit(_unpack)(packed, key))
+        self._eager[bucket] = gather
+
+    def _eager_round(self, rows: ContextCache, inp: dict[str, jax.Array]) -> DraftBlock:
+        """The eager path over gathered cache rows and unpacked inputs (see :func:`_unpack`)."""
+        return run_eager(
             self.graphdef,
             self.state,
             rows,
@@ -363,7 +367,6 @@ class Proposer:
             inp["top_k"],
             inp["keys"],
         )
-        self._eager[bucket] = gather
 
     def precompile(self, *, workers: int | None = None) -> GateDecision:
         """Compiles every (bucket, mode) and the slicers; decides the gate with XLA's numbers.
@@ -463,17 +466,7 @@ class Proposer:
 
     def _run_eager(self, bucket, cache, packed, key):
         self._warm_eager(bucket)
-        rows, inp = self._eager[bucket](cache, packed, key)
-        return run_eager(
-            self.graphdef,
-            self.state,
-            rows,
-            inp["bonus"],
-            inp["prefix_lens"],
-            inp["temperatures"],
-            inp["top_k"],
-            inp["keys"],
-        )
+        return self._eager_round(*self._eager[bucket](cache, packed, key))
 
     def __call__(
         self,
