@@ -123,6 +123,19 @@ class DSparkDraft(nnx.Module):
         """In-graph lookup in the borrowed target embedding: ``[B, S]`` → ``[B, S, H]``."""
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.cfg.jnp_dtype)
 
+    def inputs(self, input_ids: jax.Array | None, input_embeds: jax.Array | None) -> jax.Array:
+        """The residual stream entering layer 0: ``input_embeds [B, R, H]`` when given, else
+        the in-graph embedding of ``input_ids [B, R]``.
+
+        Raises:
+          ValueError: both are None.
+        """
+        if input_embeds is not None:
+            return input_embeds.astype(self.cfg.jnp_dtype)
+        if input_ids is None:
+            raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
+        return self.embed(input_ids)
+
     def block_ids(self, bonus: jax.Array) -> jax.Array:
         """``[B]`` bonus tokens → ``[B, R]`` block ids ``[bonus, MASK, …]``."""
         masks = jnp.full((bonus.shape[0], self.cfg.num_query_rows - 1), self.cfg.mask_token_id, jnp.int32)
@@ -183,14 +196,8 @@ class DSparkDraft(nnx.Module):
         Returns:
           ``[B, R, H]`` hidden states after the final norm.
         """
-        if input_embeds is not None:
-            x = input_embeds.astype(self.cfg.jnp_dtype)
-        elif input_ids is not None:
-            x = self.embed(input_ids)
-        else:
-            raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
         x = self.run_layers(
-            x,
+            self.inputs(input_ids, input_embeds),
             positions=positions,
             ctx_k=ctx_k,
             ctx_v=ctx_v,

@@ -312,10 +312,8 @@ def backbone_stage(
         )
     prefix_lens = jnp.asarray(prefix_lens, jnp.int32)
     if x is None:
-        if input_embeds is not None:
-            x = input_embeds.astype(draft.cfg.jnp_dtype)
-        else:
-            x = draft.embed(draft.block_ids(jnp.asarray(bonus, jnp.int32)))
+        ids = None if input_embeds is not None else draft.block_ids(jnp.asarray(bonus, jnp.int32))
+        x = draft.inputs(ids, input_embeds)
     return draft.run_layers(
         x,
         positions=draft.block_positions(prefix_lens),
