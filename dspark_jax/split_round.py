@@ -14,15 +14,18 @@ a round's latency is that host time plus the device time.
 pieces cut at layer boundaries: ``front`` (the in-graph embedding and the first
 ``front_layers`` layers), ``rest`` (the remaining layers) and ``head`` (final norm, base
 logits, the Markov walk with in-graph sampling, confidence). The device starts once the
-small ``front`` graph is launched, and the host launches the next pieces (and updates the
-``head``'s graph, whose outputs are the round's) while the device runs the earlier ones.
+small ``front`` graph is launched, and the host launches the next pieces (updating their
+graphs where buffers moved; on the H200 every piece's graph was updated on every call while
+the caller held the previous block) while the device runs the earlier ones.
 Between pieces only the ``[B, R, H]`` residual stream passes, on the device; nothing
 returns to the host. Each piece is compiled once per batch shape, like the one-program
 round, and the backbone pieces are shared by the greedy-only and the sampling round.
 
 The pieces are the pure functions :func:`~dspark_jax.proposal.backbone_stage` and
 :func:`~dspark_jax.proposal.head_stage`; :func:`~dspark_jax.proposal.propose_with` chains
-the same two in one program, so both forms compute the same tokens (tested).
+the same two in one program, so both forms compute the same tokens (tested; with bf16 the
+logits may differ by bf16 rounding, as XLA may keep a layer's output in float32 inside one
+program's fusion while between pieces it is stored in the compute dtype).
 """
 
 from __future__ import annotations
