@@ -6,13 +6,16 @@ power of two (at least 16, the smallest tile a tensor-core product takes).
 
 The draft's block queries attend over each request's first ``prefix_len`` context keys and
 over the block's own keys, under one softmax. :func:`context_attention` does the context
-part in one kernel launch per layer: program ``(b, h)`` holds the ``M`` query rows of KV head
-``h`` of request ``b`` and walks that request's context in chunks of ``block_c`` keys with an
-online (flash) softmax, reading the cache where it lies (``[L, N, C, KVH, D]``, slot
-``slots[b]``: no gather, no copy, no transpose, no ``[B, NH, S, C]`` score tensor in memory)
-and stopping at ``prefix_len``, so unused capacity is never read. It returns the
-unnormalised output with its running max and sum; :func:`merge_own_keys` adds the block's
-own keys (``S`` of them, always visible) and normalises, in float32.
+part in one kernel launch per layer: program ``(b, h, p)`` holds the ``M`` query rows of KV
+head ``h`` of request ``b`` and walks key range ``p`` of that request's context (split-K:
+small batches split each context into :func:`num_splits` ranges so that the layer runs
+enough programs to fill the GPU) in chunks of ``block_c`` keys with an online (flash)
+softmax, reading the cache where it lies (``[L, N, C, KVH, D]``, slot ``slots[b]``: no
+gather, no copy, no transpose, no ``[B, NH, S, C]`` score tensor in memory) and stopping
+at ``prefix_len``, so unused capacity is never read; :func:`merge_splits` combines the
+ranges' partial softmaxes. It returns the unnormalised output with its running max and
+sum; :func:`merge_own_keys` adds the block's own keys (``S`` of them, always visible) and
+normalises, in float32.
 
 Chunks never read past the capacity: chunk ``j`` loads keys ``[min(j·c, C − c), … + c)`` and
 masks out every position below ``j·c`` (already counted) or at or past ``prefix_len``.
@@ -83,9 +86,33 @@ def _block_c(capacity: int) -> int:
     return min(64, 1 << (capacity.bit_length() - 1))
 
 
-def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c: int, capacity: int, scale: float):
-    """Program ``(b, h)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [slots, C, D]`` → ``o [M, D]``, ``m``/``l [M]``."""
+TARGET_PROGRAMS = 256
+"""Programs a layer's kernel aims for (about two per SM of an H100/H200): when ``B · KVH``
+falls short, each request's context is split into that many key ranges (split-K)."""
+
+
+def num_splits(batch: int, kv_heads: int, capacity: int) -> int:
+    """Key ranges per ``(request, KV head)``: enough to reach :data:`TARGET_PROGRAMS`.
+
+    With one program per ``(b, h)`` a batch-1 layer runs 8 programs, each walking the whole
+    context: the kernel is latency-bound. Split ``P`` ways, program ``(b, h, p)`` walks
+    chunks ``[p · n, (p + 1) · n)`` only and the ``P`` partial softmaxes are merged after it.
+    ``P`` never exceeds the number of chunks, and no range is left empty.
+    """
+    chunks = -(-capacity // _block_c(capacity))
+    want = min(chunks, max(1, -(-TARGET_PROGRAMS // (batch * kv_heads))))
+    per = -(-chunks // want)  # chunks per range
+    return -(-chunks // per)
+
+
+def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c, capacity, per, scale):
+    """Program ``(b, h, p)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [slots, C, D]`` → ``o [M, D]``, ``m``/``l [M]``.
+
+    Walks chunks ``[p · per, (p + 1) · per)`` of request ``b``'s visible context (none when
+    the range starts past ``prefix_len``).
+    """
     b = pl.program_id(0)
+    first = pl.program_id(2) * per
     row = rows_ref[b]  # the cache slot holding request b's context
     prefix = jnp.minimum(lens_ref[b], capacity)
     q = q_ref[...]  # [M, D]
@@ -111,13 +138,28 @@ def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, blo
         jnp.full((rows,), _NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    o, m, l = jax.lax.fori_loop(0, pl.cdiv(prefix, block_c), body, init)
+    last = jnp.minimum(first + per, pl.cdiv(prefix, block_c))
+    o, m, l = jax.lax.fori_loop(first, last, body, init)  # no iteration when last <= first
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret"))
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merges ``P`` partial softmaxes over disjoint key ranges (float32).
+
+    Args:
+      o: ``[B, KVH, P, M, D]``; m, l: ``[B, KVH, P, M]``, as each range's kernel program wrote them.
+
+    Returns:
+      ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` over the union of the ranges.
+    """
+    top = m.max(axis=2)  # [B, KVH, M]
+    w = jnp.exp(m - top[:, :, None])  # [B, KVH, P, M]; 0 for empty ranges next to a visible one
+    return (o * w[..., None]).sum(axis=2), top, (l * w).sum(axis=2)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "splits"))
 def context_attention(
     q: jax.Array,
     cache_k: jax.Array,
@@ -127,6 +169,7 @@ def context_attention(
     *,
     layer: int,
     interpret: bool = False,
+    splits: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block queries over layer ``layer``'s context keys ``< prefix_len``, unnormalised.
 
@@ -140,6 +183,8 @@ def context_attention(
         which needs ``N == B``); the kernel reads those slots without gathering them.
       layer: which of the ``L`` layers.
       interpret: run through the Pallas interpreter (any backend).
+      splits: key ranges per ``(request, KV head)`` (default :func:`num_splits`); ranges
+        are whole chunks, so more than the chunk count gives the chunk count.
 
     Returns:
       ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` float32: ``o = Σ exp(s − m)·v``
@@ -151,34 +196,44 @@ def context_attention(
     if slots is None:
         slots = jnp.arange(b, dtype=jnp.int32)
     block_c = _block_c(capacity)
-    kernel = functools.partial(_kernel, block_c=block_c, capacity=capacity, scale=d**-0.5)
-    kv_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h: (layer, 0, 0, h, 0))
-    row_spec = pl.BlockSpec((None, None, rows), lambda i, h: (i, h, 0))
+    chunks = -(-capacity // block_c)
+    if splits is None:
+        splits = num_splits(b, kvh, capacity)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits={splits!r} is invalid: must be an integer >= 1")
+    per = -(-chunks // splits)
+    splits = -(-chunks // per)  # no empty range
+    kernel = functools.partial(_kernel, block_c=block_c, capacity=capacity, per=per, scale=d**-0.5)
+    kv_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, p: (layer, 0, 0, h, 0))
+    row_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    return pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
-        grid=(b, kvh),
+        grid=(b, kvh, splits),
         in_specs=[
-            pl.BlockSpec((b,), lambda i, h: (0,)),
-            pl.BlockSpec((b,), lambda i, h: (0,)),
-            pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((b,), lambda i, h, p: (0,)),
+            pl.BlockSpec((b,), lambda i, h, p: (0,)),
+            pl.BlockSpec((None, None, rows, d), lambda i, h, p: (i, h, 0, 0)),
             kv_spec,
             kv_spec,
         ],
-        out_specs=[pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)), row_spec, row_spec],
+        out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, h, p: (i, h, p, 0, 0)), row_spec, row_spec],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
         ],
         interpret=interpret,
         name="dspark_context_attention",
         **params,
     )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
+    if splits == 1:
+        return o[:, :, 0], m[:, :, 0], l[:, :, 0]
+    return merge_splits(o, m, l)
 
 
 def merge_own_keys(qg: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -213,6 +268,7 @@ def attend_block(
     layer: int,
     slots: jax.Array | None = None,
     interpret: bool = False,
+    splits: int | None = None,
 ) -> jax.Array:
     """Block attention over context (kernel) plus own keys: ``[B, S, NH, D]`` → ``[B, S, NH·D]``.
 
@@ -226,7 +282,7 @@ def attend_block(
       prefix_lens: ``[B]``.
       layer: the layer's index into the cache.
       slots: ``[B]`` cache slot of each request (default ``b``).
-      interpret: see :func:`context_attention`.
+      interpret, splits: see :func:`context_attention`.
 
     Returns:
       ``[B, S, NH·D]`` in ``q.dtype``.
@@ -237,6 +293,8 @@ def attend_block(
     rows = _padded_rows(g * s)
     qg = q.reshape(b, s, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * s, d)  # [B, KVH, G·S, D]
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * s), (0, 0))).astype(cache_k.dtype)
-    o, m, l = context_attention(qg, cache_k, cache_v, prefix_lens, slots, layer=layer, interpret=interpret)
+    o, m, l = context_attention(
+        qg, cache_k, cache_v, prefix_lens, slots, layer=layer, interpret=interpret, splits=splits
+    )
     out = merge_own_keys(qg, o, m, l, k.astype(qg.dtype), v.astype(qg.dtype))[:, :, : g * s]
     return out.reshape(b, kvh, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)

@@ -65,7 +65,7 @@ from dspark_jax.memory_gate import (
 )
 from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
 from dspark_jax.sampling import TOP_K_ALL
-from dspark_jax.split_round import SplitRound
+from dspark_jax.split_round import Alternating, SplitRound
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -213,6 +213,7 @@ class Proposer:
         free_bytes: int | None = None,
         headroom: int = GIB,
         unpad: bool = True,
+        twin_programs: bool | None = None,
     ):
         """Splits the draft and plans the gate (closed form; refined by ``precompile``).
 
@@ -228,7 +229,11 @@ class Proposer:
           unpad: slice results back to ``B`` rows (one small precompiled slicer per row
             count); False returns the bucket's ``Bp`` rows (rows ``>= B`` are padding) and
             compiles no slicers, for callers that keep bucket shapes through verify.
+          twin_programs: keep a twin of every round program and call the two in turn
+            (:class:`~dspark_jax.split_round.Alternating`: no CUDA-graph update while the
+            caller holds the previous block). Default: on GPU backends.
         """
+        self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
         self.cfg = draft.cfg
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
@@ -249,7 +254,7 @@ class Proposer:
         self.unpad = unpad
         self._warned = False
         # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head.
-        self._programs: dict[tuple[Any, ...], jax.stages.Compiled] = {}
+        self._programs: dict[tuple[Any, ...], Alternating] = {}
         self._eager: dict[int, jax.stages.Compiled] = {}  # bucket -> the eager path's input gather
         self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
@@ -310,7 +315,10 @@ class Proposer:
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
         """Compiles what the (bucket, mode) round still lacks."""
-        self._programs.update({name: lowered.compile() for name, lowered in self._jobs(bucket, sampling).items()})
+        self._compile_many(self._jobs(bucket, sampling), self._programs, 1, self._alternating)
+
+    def _alternating(self, compiled: jax.stages.Compiled) -> Alternating:
+        return Alternating(compiled, twin=self.twin_programs)
 
     def _lower_slicer(self, rows: int, sampling: bool) -> jax.stages.Lowered:
         bucket, cfg = self.bucket(rows), self.cfg
@@ -330,14 +338,22 @@ class Proposer:
         return self._slicers[rows, sampling]
 
     @staticmethod
-    def _compile_many(jobs: dict[Any, jax.stages.Lowered], store: dict[Any, Any], workers: int) -> None:
+    def _compile_many(
+        jobs: dict[Any, jax.stages.Lowered], store: dict[Any, Any], workers: int, finish: Any = None
+    ) -> None:
         """Compiles lowered programs into ``store``, up to ``workers`` at a time (XLA
-        compiles outside the GIL; lowering already happened on this thread)."""
+        compiles outside the GIL; lowering already happened on this thread); ``finish``
+        (if given) maps each compiled program to what is stored."""
+
+        def build(lowered: jax.stages.Lowered) -> Any:
+            compiled = lowered.compile()
+            return compiled if finish is None else finish(compiled)
+
         if workers <= 1 or len(jobs) <= 1:
-            store.update({name: lowered.compile() for name, lowered in jobs.items()})
+            store.update({name: build(lowered) for name, lowered in jobs.items()})
             return
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {name: pool.submit(lowered.compile) for name, lowered in jobs.items()}
+            futures = {name: pool.submit(build, lowered) for name, lowered in jobs.items()}
             store.update({name: future.result() for name, future in futures.items()})
 
     def _warm_eager(self, bucket: int) -> None:
@@ -397,10 +413,11 @@ class Proposer:
         measure = self.gate.mode is FoldedSampling.FORCE or self.gate.enabled
         if measure:
             jobs.update(self._jobs(top, True))
-        self._compile_many(jobs, self._programs, workers)
+        self._compile_many(jobs, self._programs, workers, self._alternating)
         if measure:
             # The backbone pieces are shared: the heads alone differ between the modes.
-            extra = sampling_extra_bytes(self._programs["head", top, True], self._programs["head", top, False])
+            heads = self._programs["head", top, True].compiled, self._programs["head", top, False].compiled
+            extra = sampling_extra_bytes(*heads)
             self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
             if not self.gate.enabled:
                 del self._programs["head", top, True]
@@ -414,7 +431,7 @@ class Proposer:
             for sampling in (False, True)
             if self.unpad and rows != self.bucket(rows) and (rows, sampling) not in self._slicers
         }
-        self._compile_many(jobs, self._programs, workers)
+        self._compile_many(jobs, self._programs, workers, self._alternating)
         self._compile_many(slicers, self._slicers, workers)
         if not self.gate.enabled:
             for bucket in self.buckets:
@@ -459,7 +476,7 @@ class Proposer:
     def _key_words(self) -> int:
         return int(jax.random.key_data(jax.random.key(0)).shape[-1])
 
-    def _program(self, name: tuple[Any, ...]) -> jax.stages.Compiled:
+    def _program(self, name: tuple[Any, ...]) -> Alternating:
         if name not in self._programs:
             self._compile_folded(name[1], name[2] if name[0] == "head" else False)
         return self._programs[name]

@@ -15,6 +15,8 @@ from dspark_jax.attention_kernel import (
     attention_choice,
     context_attention,
     kernel_supported,
+    merge_splits,
+    num_splits,
     use_kernel,
 )
 from dspark_jax.presets import load_preset
@@ -49,20 +51,62 @@ def _reference(q, ck, cv, k, v, lens, layer):
         (16, [3, 16, 999], 5),  # smallest capacity; a length past the capacity reads all of it
     ],
 )
-def test_attend_block_matches_numpy(capacity, lens, rows):
+@pytest.mark.parametrize("splits", [None, 1, 2, 99])
+def test_attend_block_matches_numpy(capacity, lens, rows, splits):
+    """``splits``: one range per request, two, one per chunk (99 is clamped), the default."""
     q, ck, cv, k, v = _inputs(capacity, layers=2, batch=3, rows=rows, heads=8, kv_heads=2, dim=16, capacity=capacity)
     lens = jnp.asarray(lens, jnp.int32)
     for layer in range(2):
-        got = attend_block(q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=layer, interpret=True)
+        got = attend_block(
+            q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=layer, interpret=True, splits=splits
+        )
         want = _reference(q, ck, cv, k, v, np.minimum(np.asarray(lens), capacity), layer)
         rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
         assert rel < 1e-5, (layer, rel)
 
 
-def test_context_attention_of_an_empty_context_is_zero():
+def test_num_splits_fills_the_gpu_at_small_batches():
+    # the 8B draft: 8 KV heads, capacity 1040 = 17 chunks of 64
+    assert [num_splits(b, 8, 1040) for b in (1, 2, 8, 16, 32, 128)] == [17, 9, 4, 2, 1, 1]
+    assert num_splits(1, 1, 16) == 1  # one chunk: nothing to split
+    assert num_splits(3, 2, 100) == 2  # never more ranges than chunks
+
+
+def test_merge_splits_matches_one_softmax():
+    """Partial softmaxes over disjoint key ranges merge into the softmax over all keys."""
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(2, 1, 3, 4, 10))  # [B, KVH, P, M, keys]
+    values = rng.normal(size=(2, 1, 3, 10, 5))  # [B, KVH, P, keys, D]
+    scores[0, 0, 1] = -np.inf  # an empty range
+    m = np.max(scores, -1)
+    m = np.where(np.isfinite(m), m, -1e38)
+    p = np.exp(scores - m[..., None])
+    o, top, l = merge_splits(
+        jnp.asarray(np.einsum("bkpmt,bkptd->bkpmd", p, values), jnp.float32),
+        jnp.asarray(m, jnp.float32),
+        jnp.asarray(p.sum(-1), jnp.float32),
+    )
+    flat = scores.transpose(0, 1, 3, 2, 4).reshape(2, 1, 4, 30)
+    flat_v = values.reshape(2, 1, 30, 5)
+    w = np.exp(flat - flat.max(-1, keepdims=True))
+    want = np.einsum("bkmt,bktd->bkmd", w / w.sum(-1, keepdims=True), flat_v)
+    np.testing.assert_allclose(np.asarray(o) / np.asarray(l)[..., None], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(top), flat.max(-1), rtol=1e-6)
+
+
+def test_context_attention_rejects_bad_splits():
+    q, ck, cv, _, _ = _inputs(0, layers=1, batch=1, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
+    qg = q.reshape(1, 4, 1, 4, 16).transpose(0, 2, 3, 1, 4).reshape(1, 1, 16, 16)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"splits={bad!r} is invalid: must be an integer >= 1"):
+            context_attention(qg, ck, cv, jnp.array([5], jnp.int32), layer=0, interpret=True, splits=bad)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_context_attention_of_an_empty_context_is_zero(splits):
     q, ck, cv, _, _ = _inputs(0, layers=1, batch=2, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
     qg = jnp.pad(q.reshape(2, 4, 1, 4, 16).transpose(0, 2, 3, 1, 4).reshape(2, 1, 16, 16), ((0, 0),) * 4)
-    o, m, l = context_attention(qg, ck, cv, jnp.array([0, 5], jnp.int32), layer=0, interpret=True)
+    o, m, l = context_attention(qg, ck, cv, jnp.array([0, 5], jnp.int32), layer=0, interpret=True, splits=splits)
     assert np.all(np.asarray(o[0]) == 0) and np.all(np.asarray(l[0]) == 0)
     assert np.all(np.asarray(m[0]) < -1e30) and np.all(np.isfinite(np.asarray(m[0])))
     assert np.all(np.asarray(l[1]) >= 1.0)  # the row max contributes exp(0) = 1

@@ -29,9 +29,12 @@ def make_cache(draft, seed=0):
 
 @pytest.fixture(scope="module")
 def forced():
-    """A precompiled FORCE proposer (buckets 1, 2, 4) over a 5-slot cache."""
+    """A precompiled FORCE proposer (buckets 1, 2, 4) over a 5-slot cache, with twin programs
+    (the GPU default) on the CPU."""
     draft = random_draft(tiny_config(**CFG), seed=0)
-    proposer = Proposer(draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force")
+    proposer = Proposer(
+        draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force", twin_programs=True
+    )
     proposer.precompile(workers=2)  # also exercises the concurrent compile path
     return draft, proposer, make_cache(draft)
 

@@ -15,7 +15,7 @@ from dspark_jax.presets import load_preset
 from dspark_jax.proposal import backbone_stage, propose
 from dspark_jax.proposer import CompileCounter
 from dspark_jax.sampling import TOP_K_ALL
-from dspark_jax.split_round import SplitRound, layer_ranges
+from dspark_jax.split_round import Alternating, SplitRound, layer_ranges, twin_program
 
 CAPACITY = 16
 
@@ -102,6 +102,41 @@ def test_split_round_compiles_once_per_shape(three_layers):
     assert counter.count == 0
     tokens = {tuple(np.asarray(b.draft_tokens)[1]) for b in blocks}
     assert len(tokens) > 1  # the key reaches the sampling rows
+
+
+def test_alternating_calls_a_program_and_its_twin_in_turn():
+    compiled = jax.jit(lambda x: x * 2 + 1).lower(jnp.zeros(3)).compile()
+    twin = twin_program(compiled)
+    assert twin is not compiled
+    np.testing.assert_array_equal(np.asarray(twin(jnp.arange(3.0))), [1.0, 3.0, 5.0])
+    both = Alternating(compiled)
+    order = [both._next for _ in range(4) if both(jnp.ones(3)) is not None]
+    assert order == [1, 0, 1, 0] and len(both._programs) == 2 and both.compiled is compiled
+    single = Alternating(compiled, twin=False)
+    assert [single._next for _ in range(2) if single(jnp.ones(3)) is not None] == [0, 0]
+
+
+def test_twin_programs_match_propose_and_compile_once(three_layers):
+    """Twins (forced on; by default on GPUs only): same blocks as one program, call after call."""
+    draft, cache, inputs = three_layers
+    graphdef, state = nnx.split(draft)
+    whole = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    split = SplitRound(draft, twin_programs=True)
+    assert split.twin_programs and not SplitRound(draft, twin_programs=False).twin_programs
+    got = [split(cache, **inputs, key=jax.random.key(i), fold_sampling=i % 2 == 0) for i in range(2)]
+    with CompileCounter() as counter:
+        for i in range(2, 6):  # each program and its twin run at least once
+            got.append(split(cache, **inputs, key=jax.random.key(i), fold_sampling=i % 2 == 0))
+        jax.block_until_ready(got)
+    assert counter.count == 0
+    # host values of the same signature (NumPy, lists) reuse the programs
+    host = {k: np.asarray(v).tolist() for k, v in inputs.items() if k != "temperatures"}
+    temps = np.asarray(inputs["temperatures"])
+    got.append(split(cache, **host, temperatures=temps, key=jax.random.key(6), fold_sampling=True))
+    assert len(split._pieces) == 1 and len(split._heads) == 2  # the backbone is shared by both modes
+    for i, block in enumerate(got):
+        want = whole(graphdef, state, cache, **inputs, key=jax.random.key(i), fold_sampling=i % 2 == 0)
+        _assert_same_block(block, want)  # also: no later round wrote into a held block
 
 
 def test_bad_shapes_and_ranges_are_rejected(three_layers):
