@@ -207,6 +207,8 @@ def validate_proposal_inputs(
 
 
 def _check_range(name: str, values: np.ndarray, lo: int, hi: int | None, allowed: str) -> None:
+    if not values.size or (values.min() >= lo and (hi is None or values.max() <= hi)):
+        return  # the common case: two reductions, no mask
     bad = (values < lo) if hi is None else ((values < lo) | (values > hi))
     if bad.any():
         i = int(np.argmax(bad))

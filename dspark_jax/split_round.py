@@ -199,8 +199,8 @@ class SplitRound:
         Returns:
           The :class:`~dspark_jax.proposal.DraftBlock`.
         """
-        check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
         if not self.twin_programs:
+            check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
             x = None
             for start, stop in self.ranges:
                 x = self._backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
@@ -212,6 +212,8 @@ class SplitRound:
         sig = _signature((cache, bonus, prefix_lens, slots, temperatures, top_k, key))
         pieces, head = self._pieces.get(sig), self._heads.get((sig, fold_sampling))
         if pieces is None or head is None:
+            # a signature seen before passed these checks (they depend on shapes and dtypes only)
+            check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
             return self._compile_and_run(sig, cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, slots)
         x = None
         for piece in pieces:
