@@ -248,13 +248,14 @@ class Proposer:
         self.cache_dtype = jnp.dtype(cache_dtype or cfg.jnp_dtype)
         self.graphdef, self.state = nnx.split(draft)
         self._split = SplitRound(draft)
-        self._leaves = self._split.leaves
         self._free_bytes = free_bytes
         self._headroom = headroom
         self.unpad = unpad
         self._warned = False
         # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head.
         self._programs: dict[tuple[Any, ...], Alternating] = {}
+        # ("piece", start, stop) / ("head", sampling): the leaves that program reads
+        self._sub_leaves: dict[tuple[Any, ...], list[jax.Array]] = {}
         self._eager: dict[int, jax.stages.Compiled] = {}  # bucket -> the eager path's input gather
         self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
@@ -304,13 +305,17 @@ class Proposer:
         for start, stop in self._split.ranges:
             name = ("piece", bucket, start, stop)
             if name not in self._programs:
-                fn = jax.jit(functools.partial(_backbone_piece, self._split, start, stop))
+                fn = functools.partial(_backbone_piece, self._split, start, stop)
                 x = None if start == 0 else hidden
-                jobs[name] = fn.lower(self._leaves, x, self._cache_spec(), self._packed_spec(bucket))
+                args = (x, self._cache_spec(), self._packed_spec(bucket))
+                fn, self._sub_leaves["piece", start, stop] = self._split.pruned(("piece", start, stop), fn, *args)
+                jobs[name] = jax.jit(fn).lower(self._sub_leaves["piece", start, stop], *args)
         name = ("head", bucket, sampling)
         if name not in self._programs:
-            fn = jax.jit(functools.partial(_head_piece, self._split, sampling))
-            jobs[name] = fn.lower(self._leaves, hidden, self._packed_spec(bucket), self._key_spec)
+            fn = functools.partial(_head_piece, self._split, sampling)
+            args = (hidden, self._packed_spec(bucket), self._key_spec)
+            fn, self._sub_leaves["head", sampling] = self._split.pruned(("head", sampling), fn, *args)
+            jobs[name] = jax.jit(fn).lower(self._sub_leaves["head", sampling], *args)
         return jobs
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
@@ -541,8 +546,10 @@ class Proposer:
             # jax.device_put costs tens of µs of Python before the first piece can launch
             x = None
             for start, stop in self._split.ranges:
-                x = self._program(("piece", bucket, start, stop))(self._leaves, x, cache, packed)
-            block = self._program(("head", bucket, sampling))(self._leaves, x, packed, key)
+                piece = self._program(("piece", bucket, start, stop))
+                x = piece(self._sub_leaves["piece", start, stop], x, cache, packed)
+            head = self._program(("head", bucket, sampling))
+            block = head(self._sub_leaves["head", sampling], x, packed, key)
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)

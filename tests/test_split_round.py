@@ -139,6 +139,31 @@ def test_twin_programs_match_propose_and_compile_once(three_layers):
         _assert_same_block(block, want)  # also: no later round wrote into a held block
 
 
+def test_pieces_take_only_the_leaves_they_read(three_layers):
+    draft, cache, inputs = three_layers
+    split = SplitRound(draft, twin_programs=True, front_layers=1)
+    jax.block_until_ready(split(cache, **inputs, key=jax.random.key(0)))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(draft))[0]]
+    assert len(paths) == len(split.leaves)
+    read = {name: {paths[i] for i in kept} for name, kept in split._kept.items()}
+    assert set(read) == {("piece", 0, 1), ("piece", 1, 3), ("head", True)}
+
+    def layers(names):
+        return {int(p.split("['layers']")[1].split("]")[0].strip("[")) for p in names if "['layers']" in p}
+
+    assert layers(read["piece", 0, 1]) == {0} and layers(read["piece", 1, 3]) == {1, 2}
+    assert not layers(read["head", True]) and read["head", True]
+    assert all(0 < len(r) < len(paths) for r in read.values())
+
+
+def test_a_piece_missing_a_leaf_it_reads_fails_loudly(three_layers):
+    draft, cache, inputs = three_layers
+    split = SplitRound(draft, twin_programs=True)
+    split._kept["head", True] = ()  # as if the head read no weights
+    with pytest.raises(TypeError, match="ShapeDtypeStruct"):  # a stand-in reached the maths
+        split(cache, **inputs, key=jax.random.key(0))
+
+
 def test_bad_shapes_and_ranges_are_rejected(three_layers):
     draft, cache, inputs = three_layers
     split = SplitRound(draft)
