@@ -162,10 +162,13 @@ def _unpack(packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
 
 
 def _backbone_piece(split: SplitRound, start: int, stop: int, leaves, x, cache, packed):
+    """A backbone piece; the first (``start == 0``) also returns ``packed``, so that it is
+    copied to the device once, by the first launch, for the later pieces."""
     # The slots go to the draft, not through a gather: the GPU attention kernel reads the
     # requests' context where it lies (the XLA path gathers inside the draft).
     ints = packed[:, :_TEMPS].astype(jnp.int32)
-    return split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
+    x = split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
+    return (x, packed) if start == 0 else x
 
 
 def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed, key):
@@ -542,12 +545,14 @@ class Proposer:
         if sampling and not self.gate.enabled:
             block = self._run_eager(bucket, cache, packed, key)
         else:
-            # NumPy in: each compiled piece copies it on its own C++ path (a few µs), where
-            # jax.device_put costs tens of µs of Python before the first piece can launch
+            # NumPy in: the first piece copies it to the device on its own C++ path and hands
+            # the device copy on (one transfer, no Python jax.device_put before the launch)
             x = None
             for start, stop in self._split.ranges:
                 piece = self._program(("piece", bucket, start, stop))
                 x = piece(self._sub_leaves["piece", start, stop], x, cache, packed)
+                if start == 0:
+                    x, packed = x
             head = self._program(("head", bucket, sampling))
             block = head(self._sub_leaves["head", sampling], x, packed, key)
         if rows == bucket or not self.unpad:
