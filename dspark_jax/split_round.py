@@ -14,9 +14,12 @@ a round's latency is that host time plus the device time.
 pieces cut at layer boundaries: ``front`` (the in-graph embedding and the first
 ``front_layers`` layers), ``rest`` (the remaining layers) and ``head`` (final norm, base
 logits, the Markov walk with in-graph sampling, confidence). The device starts once the
-small ``front`` graph is launched, and the host launches the next pieces (updating their
-graphs where buffers moved; on the H200 every piece's graph was updated on every call while
-the caller held the previous block) while the device runs the earlier ones.
+small ``front`` graph is launched, and the host launches the next pieces while the device
+runs the earlier ones. On GPUs each piece is compiled ahead of time per input signature,
+reads only the draft leaves it uses (:meth:`SplitRound.pruned`) and is kept with a twin called
+in turn (:class:`Alternating`), so that a caller holding the previous block does not make
+XLA update the pieces' graphs (without twins, on the H200, every piece's graph was updated on
+every such call).
 Between pieces only the ``[B, R, H]`` residual stream passes, on the device; nothing
 returns to the host. Each piece is compiled once per batch shape, like the one-program
 round, and the backbone pieces are shared by the greedy-only and the sampling round.
