@@ -73,9 +73,11 @@ class Alternating:
     __slots__ = ("_programs", "_next", "compiled")
 
     def __init__(self, compiled: jax.stages.Compiled, *, twin: bool = True):
-        """Args:
-        compiled: the program.
-        twin: False keeps the one program (every call runs it).
+        """Loads the twin (unless ``twin`` is False).
+
+        Args:
+          compiled: the program.
+          twin: False keeps the one program (every call runs it).
         """
         self.compiled = compiled
         self._programs = (compiled, twin_program(compiled)) if twin else (compiled,)
