@@ -56,6 +56,7 @@ _EXPORTS = {
     "plan_folded_sampling": "dspark_jax.memory_gate",
     "Proposer": "dspark_jax.proposer",
     "SplitRound": "dspark_jax.split_round",
+    "spin_until_ready": "dspark_jax.ready",
     "CompileCounter": "dspark_jax.proposer",
     "batch_buckets": "dspark_jax.proposer",
     # checkpoints and presets (issue 2)

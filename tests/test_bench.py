@@ -27,7 +27,7 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
             assert (1, mode, path) in seen
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
-        assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0
+        assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0 and r["spin_median_ms"] > 0
         if r["path"].startswith(("folded", "split")):
             assert r["floor_ms"] > 0 and r["floor_bound"] in ("bytes", "flops")
 

@@ -1,0 +1,28 @@
+"""spin_until_ready: waits by polling, returns the tree, surfaces bad arguments."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import spin_until_ready
+
+
+def test_returns_the_tree_with_every_array_ready():
+    x = jnp.arange(12.0).reshape(3, 4)
+    tree = {"a": jax.jit(lambda v: v @ v.T)(x), "b": (jnp.ones(3) * 2, "not an array", None)}
+    out = spin_until_ready(tree)
+    assert out is tree
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(out) if isinstance(leaf, jax.Array))
+    np.testing.assert_allclose(np.asarray(out["a"]), np.asarray(x) @ np.asarray(x).T)
+
+
+def test_a_generous_timeout_waits_normally():
+    y = spin_until_ready(jax.jit(jnp.cumsum)(jnp.ones(1000)), timeout_s=60.0)
+    assert float(y[-1]) == 1000.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1"])
+def test_bad_timeout_names_the_field(bad):
+    with pytest.raises(ValueError, match="timeout_s"):
+        spin_until_ready(jnp.ones(2), timeout_s=bad)
