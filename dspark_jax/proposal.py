@@ -33,6 +33,7 @@ from dspark_jax.cache import ContextCache, context_mask
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.markov import markov_walk
+from dspark_jax.race_kernel import raced_markov_walk, use_race_kernel
 from dspark_jax.sampling import (
     TOP_K_ALL,
     clamp_temperatures,
@@ -354,6 +355,13 @@ def head_stage(
     temps = clamp_temperatures(temperatures)
     greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
     keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
+    kernel, interpret = use_race_kernel(base.shape[-1]) if fold_sampling else (False, False)
+    if kernel and draft.markov_head is not None:
+        # one kernel per step: race, corrected logits written in place (race_kernel.py)
+        tokens, corrected = raced_markov_walk(
+            draft.markov_head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret
+        )
+        return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
     pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
     tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
     return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)

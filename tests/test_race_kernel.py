@@ -1,0 +1,111 @@
+"""The fused race kernel (Pallas interpreter on the CPU) picks exactly what the XLA sampler picks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry_2x32
+
+from dspark_jax import bench, propose
+from dspark_jax import sampling as S
+from dspark_jax.presets import load_preset
+from dspark_jax.race_kernel import (
+    RACE_ENV,
+    race_choice,
+    race_step,
+    race_supported,
+    threefry2x32,
+    use_race_kernel,
+)
+
+
+def test_threefry_matches_jax():
+    for seed in range(3):
+        words = jax.random.key_data(jax.random.key(seed))
+        counts = jax.random.bits(jax.random.key(seed + 10), (256,), jnp.uint32)
+        want = threefry_2x32((words[0], words[1]), counts)
+        y0, y1 = threefry2x32(words[0], words[1], counts[:128], counts[128:])
+        np.testing.assert_array_equal(np.asarray(jnp.concatenate([y0, y1])), np.asarray(want))
+
+
+def _walk_inputs(batch, gamma, vocab, seed):
+    k = jax.random.split(jax.random.key(seed), 3)
+    base = (3 * jax.random.normal(k[0], (batch, gamma, vocab))).astype(jnp.bfloat16)
+    bias = jax.random.normal(k[1], (gamma, batch, vocab)).astype(jnp.bfloat16)
+    temps = S.clamp_temperatures(jnp.linspace(0.0, 2.0, batch))  # row 0 clamped to 1e-5
+    greedy = jnp.arange(batch) % 3 == 1
+    return base, bias, temps, greedy, S.row_keys(k[2], batch)
+
+
+@pytest.mark.parametrize("batch, vocab", [(5, 1000), (9, 512), (2, 4098)])
+def test_race_step_equals_sample_step(batch, vocab):
+    """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
+    gamma = 3
+    base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab)
+    corrected = None
+    for step in range(gamma):
+        words = S._key_words(S.step_keys(keys, step))
+        tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step=step, interpret=True)
+        logits = base[:, step].astype(jnp.float32) + bias[step].astype(jnp.float32)
+        want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step))
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits))
+
+
+def test_ties_nan_and_all_minus_inf_rows():
+    """Greedy ties go to the lowest id, NaN counts as -inf, an all -inf row yields token 0."""
+    vocab, batch = 512, 4
+    base = jnp.zeros((batch, 1, vocab), jnp.float32)
+    base = base.at[0, 0, [7, 300, 511]].set(5.0)  # a three-way tie across both halves
+    base = base.at[1, 0, :].set(-jnp.inf)
+    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 400].set(1.0)
+    base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
+    bias = jnp.zeros((batch, vocab), jnp.float32)
+    greedy = jnp.array([True, True, True, False])
+    temps = jnp.ones((batch,), jnp.float32)
+    words = S._key_words(S.row_keys(jax.random.key(0), batch))
+    tokens, _ = race_step(base, bias, None, temps, greedy, words, step=0, interpret=True)
+    np.testing.assert_array_equal(np.asarray(tokens), [7, 0, 400, 0])
+
+
+def test_race_choice_support_and_bad_vocab(monkeypatch):
+    assert race_supported(151936) and race_supported(512)
+    assert not race_supported(151935) and not race_supported(254)
+    monkeypatch.delenv(RACE_ENV, raising=False)
+    assert race_choice() == "auto"
+    assert use_race_kernel(512) == (jax.default_backend() == "gpu", False)
+    monkeypatch.setenv(RACE_ENV, " Pallas ")
+    assert use_race_kernel(512) == (True, jax.default_backend() != "gpu")
+    assert use_race_kernel(511) == (False, False)
+    monkeypatch.setenv(RACE_ENV, "xla")
+    assert use_race_kernel(512) == (False, False)
+    monkeypatch.setenv(RACE_ENV, "cuda")
+    with pytest.raises(ValueError, match="DSPARK_JAX_RACE='cuda' is invalid"):
+        race_choice()
+    base = jnp.zeros((1, 1, 511), jnp.float32)
+    with pytest.raises(ValueError, match="vocab=511"):
+        race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 2), jnp.uint32), step=0)
+
+
+@pytest.mark.parametrize("mode", ["mixed", "sampling"])
+def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch, mode):
+    """The whole folded round, bf16 tiny draft: same tokens and confidence; corrected logits
+    within bf16 rounding (inside one program XLA may keep the bf16 logits GEMMs' outputs in
+    float32, while the kernel reads them as stored)."""
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
+    bonus = jnp.array([3, 7, 11, 0], jnp.int32)
+    lens = jnp.array([20, 0, 33, 41], jnp.int32)
+    temps, top_k = bench.sampling_params(4, mode)
+    blocks = {}
+    for choice in ("xla", "pallas"):
+        monkeypatch.setenv(RACE_ENV, choice)
+        step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
+        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+    a, b = blocks["xla"], blocks["pallas"]
+    for name in ("draft_tokens", "confidence", "greedy_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+    la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
+    assert la.shape == lb.shape == (4, cfg.gamma, cfg.vocab_size)
+    np.testing.assert_allclose(lb, la, rtol=0, atol=2.0**-8 * np.abs(la).max())
