@@ -45,7 +45,7 @@ def test_race_step_equals_sample_step(batch, vocab):
     corrected = None
     for step in range(gamma):
         words = S._key_words(S.step_keys(keys, step))
-        tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step=step, interpret=True)
+        tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step, interpret=True)
         logits = base[:, step].astype(jnp.float32) + bias[step].astype(jnp.float32)
         want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step))
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
@@ -64,7 +64,7 @@ def test_ties_nan_and_all_minus_inf_rows():
     greedy = jnp.array([True, True, True, False])
     temps = jnp.ones((batch,), jnp.float32)
     words = S._key_words(S.row_keys(jax.random.key(0), batch))
-    tokens, _ = race_step(base, bias, None, temps, greedy, words, step=0, interpret=True)
+    tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=True)
     np.testing.assert_array_equal(np.asarray(tokens), [7, 0, 400, 0])
 
 
@@ -84,7 +84,7 @@ def test_race_choice_support_and_bad_vocab(monkeypatch):
         race_choice()
     base = jnp.zeros((1, 1, 511), jnp.float32)
     with pytest.raises(ValueError, match="vocab=511"):
-        race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 2), jnp.uint32), step=0)
+        race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 2), jnp.uint32), 0)
 
 
 @pytest.mark.parametrize("mode", ["mixed", "sampling"])
