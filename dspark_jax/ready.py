@@ -1,13 +1,15 @@
 """Waiting for a result by polling instead of blocking.
 
-``jax.block_until_ready`` sleeps until the runtime wakes the calling thread; on the H200
-host that wake-up added about 0.05–0.15 ms to a batch-1 round's measured latency (split
-round, `scratch`-style A/B, 2026-11-29). :func:`spin_until_ready` polls
-``jax.Array.is_ready`` on the calling thread instead, burning one CPU core while it waits,
-which is what ``torch.cuda.synchronize`` does by default (CUDA's automatic schedule spins
-when the process has fewer contexts than CPU cores). A loop that needs every result on the
-host as soon as the device has it (a latency benchmark, a host-driven decode loop) may use
-it; a loop that hands the result to the next device computation needs no wait at all.
+``jax.block_until_ready`` sleeps until the runtime wakes the calling thread.
+:func:`spin_until_ready` polls ``jax.Array.is_ready`` on the calling thread instead,
+burning one CPU core while it waits, which is how ``torch.cuda.synchronize`` waits by
+default (CUDA's automatic schedule spins when the process has fewer contexts than CPU
+cores). The benchmark times both waits so that its PyTorch comparison can be read on the
+same footing. Measured on the H200 host (split round, 8B draft, 2026-11-29): a scratch A/B
+saw the spin-waited batch-1 median 0.05–0.15 ms lower, but in the two benchmark runs that
+followed it was within ±0.2 ms of the blocking wait and not consistently lower, so the
+wake-up is not what separates the medians from the device time. A loop that hands the
+result to the next device computation needs no wait at all.
 """
 
 from __future__ import annotations

@@ -122,7 +122,11 @@ def test_input_embeds_match_in_graph_embedding():
     in_graph = _propose(graphdef, state, cache, bonus, prefix, TEMPS, TOP_K, key)
     given = _propose(graphdef, state, cache, bonus, prefix, TEMPS, TOP_K, key, input_embeds=embeds)
     for a, b in zip(jax.tree.leaves(in_graph), jax.tree.leaves(given), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.floating):  # equal on the CPU; on a GPU the two programs may fuse differently
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 def test_greedy_only_folding_keeps_structure_and_greedy_tokens():
