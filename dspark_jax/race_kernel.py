@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from dspark_jax.sampling import _key_words, _log_exponential, _max_then_lowest_id, step_keys
+
 RACE_ENV = "DSPARK_JAX_RACE"
 """Environment variable choosing the folded walk's sampling step: ``auto`` (default: the
 kernel on GPUs when :func:`race_supported`), ``xla`` (never) or ``pallas`` (wherever
@@ -129,12 +131,6 @@ def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     return out
 
 
-def _log_exponential(words: jax.Array) -> jax.Array:
-    """``log(−log U)`` of :func:`dspark_jax.sampling._log_exponential`, on uint32 words."""
-    u = ((words >> np.uint32(8)) | np.uint32(1)).astype(jnp.float32) * np.float32(2.0**-24)
-    return jnp.log(-jnp.log(u))
-
-
 def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, pairs, tile, interpret):
     """Program ``(b, j)``: pairs ``[j·T, (j + 1)·T)`` of row ``b`` (the last range clamped to end at ``P``).
 
@@ -169,12 +165,6 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, p
     top = best.max()
     score_ref[...] = jnp.full((1, 1), top, jnp.float32)
     token_ref[...] = jnp.full((1, 1), jnp.where(best == top, token, _NO_TOKEN).min(), jnp.int32)
-
-
-def _max_then_lowest_id(a, b):
-    (a_score, a_id), (b_score, b_id) = a, b
-    take_a = (a_score > b_score) | ((a_score == b_score) & (a_id < b_id))
-    return jnp.where(take_a, a_score, b_score), jnp.where(take_a, a_id, b_id)
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
@@ -281,8 +271,6 @@ def raced_markov_walk(
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] float32)``, equal to the XLA walk's.
     """
-    from dspark_jax.sampling import _key_words, step_keys
-
     batch, gamma = base_logits.shape[:2]
     state, prev = head.init_state(batch), bonus.astype(jnp.int32)
     corrected, tokens = None, []
