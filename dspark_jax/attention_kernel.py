@@ -30,18 +30,19 @@ backend (the CPU tests do).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 
 ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 """Environment variable choosing the draft's context attention: ``auto`` (default: the
 kernel on GPUs when :func:`kernel_supported`), ``xla`` (never the kernel) or ``pallas``
 (the kernel wherever supported, the Pallas interpreter off GPUs)."""
 
-ATTENTION_CHOICES = ("auto", "xla", "pallas")
+ATTENTION_CHOICES = KERNEL_CHOICES
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "minus infinity": exp(_NEG - m) == 0, never NaN
 
@@ -52,10 +53,7 @@ def attention_choice() -> str:
     Raises:
       ValueError: the variable holds something else.
     """
-    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if value not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={value!r} is invalid: must be one of {ATTENTION_CHOICES}")
-    return value
+    return env_choice(ATTENTION_ENV)
 
 
 def kernel_supported(dtype, head_dim: int, capacity: int) -> bool:
@@ -68,13 +66,7 @@ def kernel_supported(dtype, head_dim: int, capacity: int) -> bool:
 
 def use_kernel(dtype, head_dim: int, capacity: int) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace, from :func:`attention_choice`."""
-    choice = attention_choice()
-    if choice == "xla" or not kernel_supported(dtype, head_dim, capacity):
-        return False, False
-    on_gpu = jax.default_backend() == "gpu"
-    if choice == "auto":
-        return on_gpu, False
-    return True, not on_gpu
+    return kernel_mode(ATTENTION_ENV, kernel_supported(dtype, head_dim, capacity))
 
 
 def _padded_rows(rows: int) -> int:

@@ -30,13 +30,13 @@ backends only). ``interpret=True`` runs it through the Pallas interpreter on any
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.sampling import _key_words, _log_exponential, _max_then_lowest_id, step_keys
 
 RACE_ENV = "DSPARK_JAX_RACE"
@@ -44,7 +44,7 @@ RACE_ENV = "DSPARK_JAX_RACE"
 kernel on GPUs when :func:`race_supported`), ``xla`` (never) or ``pallas`` (wherever
 supported, the Pallas interpreter off GPUs)."""
 
-RACE_CHOICES = ("auto", "xla", "pallas")
+RACE_CHOICES = KERNEL_CHOICES
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
@@ -58,10 +58,7 @@ def race_choice() -> str:
     Raises:
       ValueError: the variable holds something else.
     """
-    value = os.environ.get(RACE_ENV, "auto").strip().lower() or "auto"
-    if value not in RACE_CHOICES:
-        raise ValueError(f"{RACE_ENV}={value!r} is invalid: must be one of {RACE_CHOICES}")
-    return value
+    return env_choice(RACE_ENV)
 
 
 def race_supported(vocab: int) -> bool:
@@ -72,13 +69,7 @@ def race_supported(vocab: int) -> bool:
 
 def use_race_kernel(vocab: int) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace, from :func:`race_choice`."""
-    choice = race_choice()
-    if choice == "xla" or not race_supported(vocab):
-        return False, False
-    on_gpu = jax.default_backend() == "gpu"
-    if choice == "auto":
-        return on_gpu, False
-    return True, not on_gpu
+    return kernel_mode(RACE_ENV, race_supported(vocab))
 
 
 def _rotl(x: jax.Array, r: int) -> jax.Array:

@@ -1,0 +1,43 @@
+"""Choosing, per trace, between a Pallas kernel and the XLA path, from an environment variable.
+
+Each kernel module (:mod:`dspark_jax.attention_kernel`, :mod:`dspark_jax.race_kernel`) names
+its variable; the values are the same for all: ``auto`` (default: the kernel on GPU backends
+where the kernel module says it applies), ``xla`` (never the kernel) or ``pallas`` (the
+kernel wherever it applies, through the Pallas interpreter off GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+KERNEL_CHOICES = ("auto", "xla", "pallas")
+
+
+def env_choice(variable: str) -> str:
+    """The value of environment variable ``variable`` (``auto`` when unset or empty; any case).
+
+    Raises:
+      ValueError: the variable holds something else.
+    """
+    value = os.environ.get(variable, "auto").strip().lower() or "auto"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{variable}={value!r} is invalid: must be one of {KERNEL_CHOICES}")
+    return value
+
+
+def kernel_mode(variable: str, supported: bool) -> tuple[bool, bool]:
+    """``(use the kernel, through the interpreter)`` for this trace.
+
+    Args:
+      variable: the environment variable read by :func:`env_choice`.
+      supported: whether the kernel applies to this trace's shapes and dtypes.
+    """
+    choice = env_choice(variable)
+    if choice == "xla" or not supported:
+        return False, False
+    on_gpu = jax.default_backend() == "gpu"
+    if choice == "auto":
+        return on_gpu, False
+    return True, not on_gpu
