@@ -48,6 +48,7 @@ from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.presets import load_preset
+from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
 from dspark_jax.target import KVCache, Qwen3Target
 
@@ -789,6 +790,9 @@ def format_table(result: dict[str, Any]) -> str:
     if "attention" in meta:
         kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
+    if "race" in meta:
+        kernel = "fused Pallas kernel per step" if meta.get("race_kernel") else "XLA"
+        lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -918,6 +922,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"the draft's context attention (sets {ATTENTION_ENV}; default: the environment's, else auto)",
     )
+    parser.add_argument(
+        "--race",
+        choices=RACE_CHOICES,
+        default=None,
+        help=f"the folded walk's sampling step (sets {RACE_ENV}; default: the environment's, else auto)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -929,6 +939,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     if args.attention:
         os.environ[ATTENTION_ENV] = args.attention  # the compile subprocesses inherit it
+    if args.race:
+        os.environ[RACE_ENV] = args.race
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters
@@ -1000,6 +1012,8 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         device=device.device_kind,
         attention=attention_choice(),
         attention_kernel=use_kernel(cfg.jnp_dtype, cfg.head_dim, shapes.context + 2 * cfg.num_query_rows)[0],
+        race=race_choice(),
+        race_kernel=use_race_kernel(cfg.vocab_size)[0],
     )
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
     _save(args.out, result)

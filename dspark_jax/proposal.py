@@ -355,15 +355,16 @@ def head_stage(
     temps = clamp_temperatures(temperatures)
     greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
     keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
-    kernel, interpret = use_race_kernel(base.shape[-1]) if fold_sampling else (False, False)
-    if kernel and draft.markov_head is not None:
-        # one kernel per step: race, corrected logits written in place (race_kernel.py)
+    kernel, interpret = False, False
+    if fold_sampling and draft.markov_head is not None:
+        kernel, interpret = use_race_kernel(base.shape[-1])
+    if kernel:  # one kernel per step: race, corrected logits written in place (race_kernel.py)
         tokens, corrected = raced_markov_walk(
             draft.markov_head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret
         )
-        return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
-    pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
-    tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
+    else:
+        pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
+        tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
     return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
 
 

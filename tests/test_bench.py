@@ -41,12 +41,14 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
         assert e2e[name] > 0
     assert tiny_result["meta"]["shapes"] == "tiny"
+    assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is False  # CPU: XLA sampler
     assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
 
 
 def test_table_has_a_line_per_timed_row(tiny_result):
     table = bench.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
+    assert "folded walk's sampling step: XLA (DSPARK_JAX_RACE=auto)" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 
