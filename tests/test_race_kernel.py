@@ -37,7 +37,7 @@ def _walk_inputs(batch, gamma, vocab, seed):
     return base, bias, temps, greedy, S.row_keys(k[2], batch)
 
 
-@pytest.mark.parametrize("batch, vocab", [(5, 1000), (2, 4098)])  # two clamped blocks; nine
+@pytest.mark.parametrize("batch, vocab", [(5, 1000), (2, 4098)])  # 2 and 9 blocks per row, the last clamped
 def test_race_step_equals_sample_step(batch, vocab):
     """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
     gamma = 3
