@@ -132,3 +132,27 @@ def hf_params(draft: DSparkDraft) -> dict[str, np.ndarray]:
         _linear(out, "confidence_head.proj", draft.confidence_head.proj)
         out["confidence_head.sts_temperature"] = _np(draft.confidence_head.sts_temperature)
     return out
+
+
+def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas")) -> tuple:
+    """The folded round of the bf16 tiny preset (4 rows, mixed greedy / sampling, contexts of
+    20, 0, 33 and 41 tokens), traced afresh under each value of environment ``variable``.
+
+    Returns:
+      ``(cfg, {choice: DraftBlock})``.
+    """
+    from dspark_jax import bench, propose
+    from dspark_jax.presets import load_preset
+
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
+    bonus = jnp.array([3, 7, 11, 0], jnp.int32)
+    lens = jnp.array([20, 0, 33, 41], jnp.int32)
+    temps, top_k = bench.sampling_params(4, "mixed")
+    blocks = {}
+    for choice in choices:
+        monkeypatch.setenv(variable, choice)
+        step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
+        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+    return cfg, blocks

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import tiny_rounds_per_choice
 from np_reference import gqa_attention
 
 from dspark_jax import bench
@@ -132,17 +133,7 @@ def test_kernel_supported_and_choice(monkeypatch):
 
 def test_propose_with_the_kernel_matches_the_xla_path(monkeypatch):
     """The whole round, bf16 tiny draft: same tokens, logits within bf16 rounding."""
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
-    bonus = jnp.array([3, 7, 11, 0], jnp.int32)
-    lens = jnp.array([20, 0, 33, 41], jnp.int32)
-    temps, top_k = bench.sampling_params(4, "mixed")
-    blocks = {}
-    for choice in ("xla", "pallas"):
-        monkeypatch.setenv(ATTENTION_ENV, choice)
-        step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
-        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+    _, blocks = tiny_rounds_per_choice(monkeypatch, ATTENTION_ENV)
     a, b = blocks["xla"], blocks["pallas"]
     np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
     la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)

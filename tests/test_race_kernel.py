@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import tiny_rounds_per_choice
 from jax.extend.random import threefry_2x32
 
-from dspark_jax import bench, propose
 from dspark_jax import sampling as S
-from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import (
     RACE_ENV,
     race_choice,
@@ -91,17 +90,7 @@ def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch):
     """The whole folded round, bf16 tiny draft: same tokens and confidence; corrected logits
     within bf16 rounding (inside one program XLA may keep the bf16 logits GEMMs' outputs in
     float32, while the kernel reads them as stored)."""
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
-    bonus = jnp.array([3, 7, 11, 0], jnp.int32)
-    lens = jnp.array([20, 0, 33, 41], jnp.int32)
-    temps, top_k = bench.sampling_params(4, "mixed")  # greedy and sampling rows
-    blocks = {}
-    for choice in ("xla", "pallas"):
-        monkeypatch.setenv(RACE_ENV, choice)
-        step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
-        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+    cfg, blocks = tiny_rounds_per_choice(monkeypatch, RACE_ENV)  # greedy and sampling rows
     a, b = blocks["xla"], blocks["pallas"]
     for name in ("draft_tokens", "confidence", "greedy_mask"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
