@@ -69,8 +69,15 @@ def use_kernel(dtype, head_dim: int, capacity: int) -> tuple[bool, bool]:
     return kernel_mode(ATTENTION_ENV, kernel_supported(dtype, head_dim, capacity))
 
 
-def _padded_rows(rows: int) -> int:
-    return max(16, 1 << (rows - 1).bit_length())
+def row_layout(rows: int, group: int) -> tuple[int, int]:
+    """``(R, Gp)``: a request's query rows and query heads per KV head, padded for the kernels.
+
+    Both are powers of two (Triton tiles), ``R ≥ rows``, ``Gp ≥ group`` and ``R · Gp ≥ 16``
+    (the smallest tile a tensor-core product takes). The 8B draft (7 block rows, 4 query
+    heads per KV head) gets ``(8, 4)``: 32 query rows per program.
+    """
+    g_pad = 1 << (group - 1).bit_length()
+    return max(1 << (rows - 1).bit_length(), -(-16 // g_pad)), g_pad
 
 
 def _block_c(capacity: int) -> int:
@@ -83,31 +90,50 @@ TARGET_PROGRAMS = 256
 falls short, each request's context is split into that many key ranges (split-K)."""
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 def num_splits(batch: int, kv_heads: int, capacity: int) -> int:
     """Key ranges per ``(request, KV head)``: enough to reach :data:`TARGET_PROGRAMS`.
 
     With one program per ``(b, h)`` a batch-1 layer runs 8 programs, each walking the whole
     context: the kernel is latency-bound. Split ``P`` ways, program ``(b, h, p)`` walks
-    chunks ``[p · n, (p + 1) · n)`` only and the ``P`` partial softmaxes are merged after it.
-    ``P`` never exceeds the number of chunks, and no range is left empty.
+    chunks ``[⌊p·n/P⌋, ⌊(p + 1)·n/P⌋)`` of the ``n`` only, and a second kernel merges the
+    ``P`` partial softmaxes. ``P`` is a power of two (the merge loads all ranges as one
+    tile) and never exceeds ``n``, so no range is empty.
     """
     chunks = -(-capacity // _block_c(capacity))
-    want = min(chunks, max(1, -(-TARGET_PROGRAMS // (batch * kv_heads))))
-    per = -(-chunks // want)  # chunks per range
-    return -(-chunks // per)
+    return _pow2_floor(min(chunks, max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))))
 
 
-def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_c, capacity, per, scale):
-    """Program ``(b, h, p)``: ``q_ref [M, D]``, ``k_ref``/``v_ref [slots, C, D]`` → ``o [M, D]``, ``m``/``l [M]``.
+def _resolve_splits(splits: int | None, batch: int, kv_heads: int, capacity: int) -> int:
+    """``P`` for a requested range count (default :func:`num_splits`): rounded down to a
+    power of two, at most the chunk count.
 
-    Walks chunks ``[p · per, (p + 1) · per)`` of request ``b``'s visible context (none when
-    the range starts past ``prefix_len``).
+    Raises:
+      ValueError: ``splits`` is not an integer >= 1.
     """
-    b = pl.program_id(0)
-    first = pl.program_id(2) * per
-    row = rows_ref[b]  # the cache slot holding request b's context
-    prefix = jnp.minimum(lens_ref[b], capacity)
-    q = q_ref[...]  # [M, D]
+    if splits is None:
+        return num_splits(batch, kv_heads, capacity)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits={splits!r} is invalid: must be an integer >= 1")
+    return _pow2_floor(min(splits, -(-capacity // _block_c(capacity))))
+
+
+def _query_rows(q_ref) -> jax.Array:
+    """``q_ref [R, Gp, D]`` → the program's ``[M, D]`` query rows, ordered ``(r, g)``."""
+    rows, group, dim = q_ref.shape
+    return q_ref[...].reshape(rows * group, dim)
+
+
+def _walk_context(q, ck_ref, cv_ref, row, prefix, first, last, *, block_c, capacity, scale):
+    """Online softmax of ``q [M, D]`` over chunks ``[first, last)`` of cache slot ``row``'s keys.
+
+    Returns:
+      ``(o [M, D], m [M], l [M])`` float32, unnormalised (``o = l = 0`` and ``m`` a large
+      negative finite number when no chunk is walked).
+    """
     rows, dim = q.shape
 
     def body(j, carry):
@@ -115,13 +141,13 @@ def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, blo
         start = jnp.minimum(j * block_c, capacity - block_c)
         pos = start + jnp.arange(block_c, dtype=jnp.int32)  # [c]
         visible = (pos >= j * block_c) & (pos < prefix)
-        k = k_ref[row, pl.ds(start, block_c), :]  # [c, D]
+        k = ck_ref[row, pl.ds(start, block_c), :]  # [c, D]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(visible[None, :], s, _NEG)  # [M, c]
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[:, None])
         fix = jnp.exp(m - m_new)
-        v = v_ref[row, pl.ds(start, block_c), :]  # [c, D]
+        v = cv_ref[row, pl.ds(start, block_c), :]  # [c, D]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return fix[:, None] * o + pv, m_new, fix * l + p.sum(axis=-1)
 
@@ -130,11 +156,75 @@ def _kernel(lens_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, blo
         jnp.full((rows,), _NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    last = jnp.minimum(first + per, pl.cdiv(prefix, block_c))
-    o, m, l = jax.lax.fori_loop(first, last, body, init)  # no iteration when last <= first
+    return jax.lax.fori_loop(first, last, body, init)  # no iteration when last <= first
+
+
+def _finish(q, o, m, l, k_ref, v_ref, out_ref, *, own, scale):
+    """Adds the block's own keys to ``(o, m, l)``, normalises and stores the output.
+
+    ``q [M, D]``; ``k_ref``/``v_ref [T, D]`` this KV head's block keys and values, the
+    first ``own`` of them real (always visible), the rest padding; ``out_ref`` holds the
+    ``M`` rows. With ``M ≥ 16`` the keys are one more tile of tensor-core products (scores
+    and probabilities rounded as the context's); fewer rows (the merge kernel's) read
+    them one by one in float32.
+    """
+    if q.shape[0] >= 16:
+        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(jnp.arange(s.shape[1])[None, :] < own, s, _NEG)  # [M, T]
+        top = jnp.maximum(m, s.max(axis=-1))  # finite: the block is visible
+        p = jnp.exp(s - top[:, None])
+        v = v_ref[...]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        fix = jnp.exp(m - top)
+        o, l = o * fix[:, None] + pv, l * fix + p.sum(axis=-1)
+    else:
+        q32 = q.astype(jnp.float32)
+        scores = [jnp.sum(q32 * k_ref[t, :].astype(jnp.float32)[None, :], axis=1) * scale for t in range(own)]
+        top = functools.reduce(jnp.maximum, scores, m)  # [M]; finite: the block is visible
+        fix = jnp.exp(m - top)
+        o, l = o * fix[:, None], l * fix
+        for t, st in enumerate(scores):
+            p = jnp.exp(st - top)  # [M]
+            o = o + p[:, None] * v_ref[t, :].astype(jnp.float32)[None, :]
+            l = l + p
+    out_ref[...] = (o / l[:, None]).reshape(out_ref.shape).astype(out_ref.dtype)
+
+
+def _partials_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref, *, splits, **walk):
+    """Program ``(b, h, p)``: chunks ``[⌊p·n/P⌋, ⌊(p + 1)·n/P⌋)`` of request ``b``'s visible context.
+
+    ``q_ref [R, Gp, D]``, ``ck_ref``/``cv_ref [N, C, D]`` (KV head ``h`` of every slot) →
+    ``o_ref [M, D]``, ``m_ref``/``l_ref [M]``.
+    """
+    b, p = pl.program_id(0), pl.program_id(2)
+    chunks = -(-walk["capacity"] // walk["block_c"])
+    first = p * chunks // splits
+    prefix = jnp.minimum(lens_ref[b], walk["capacity"])
+    last = jnp.minimum((p + 1) * chunks // splits, pl.cdiv(prefix, walk["block_c"]))
+    o, m, l = _walk_context(_query_rows(q_ref), ck_ref, cv_ref, slots_ref[b], prefix, first, last, **walk)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _whole_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref, out_ref, *, own, **walk):
+    """Program ``(b, h)``: the whole visible context, then the block's own keys → ``out_ref [R, Gp, D]``."""
+    b = pl.program_id(0)
+    prefix = jnp.minimum(lens_ref[b], walk["capacity"])
+    q = _query_rows(q_ref)
+    o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, 0, pl.cdiv(prefix, walk["block_c"]), **walk)
+    _finish(q, o, m, l, k_ref, v_ref, out_ref, own=own, scale=walk["scale"])
+
+
+def _merge_kernel(q_ref, o_ref, m_ref, l_ref, k_ref, v_ref, out_ref, *, own, scale):
+    """Program ``(b, h, r)``: query row ``r``'s ``Gp`` heads. Merges the ``P`` ranges' partial
+    softmaxes (``o_ref [P, Gp, D]``, ``m_ref``/``l_ref [P, Gp]``, all loaded at once), then
+    adds the block's own keys → ``out_ref [Gp, D]``."""
+    m = m_ref[...]  # [P, Gp]
+    top = m.max(axis=0)  # [Gp]
+    w = jnp.exp(m - top[None, :])  # [P, Gp]; 0 for empty ranges next to a visible one
+    o = (o_ref[...] * w[:, :, None]).sum(axis=0)  # [Gp, D]
+    _finish(q_ref[...], o, top, (l_ref[...] * w).sum(axis=0), k_ref, v_ref, out_ref, own=own, scale=scale)
 
 
 def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -149,6 +239,55 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, j
     top = m.max(axis=2)  # [B, KVH, M]
     w = jnp.exp(m - top[:, :, None])  # [B, KVH, P, M]; 0 for empty ranges next to a visible one
     return (o * w[..., None]).sum(axis=2), top, (l * w).sum(axis=2)
+
+
+def _triton_params(interpret: bool) -> dict:
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+
+    return {"compiler_params": plgpu.CompilerParams(num_warps=4, num_stages=2)}
+
+
+def _check_query_layout(q: jax.Array) -> None:
+    """``q [B, R, KVH, Gp, D]``: ``R`` and ``Gp`` powers of two, ``R · Gp ≥ 16``."""
+    rows, group = q.shape[1], q.shape[3]
+    pow2 = all(n >= 1 and n & (n - 1) == 0 for n in (rows, group))
+    if q.ndim != 5 or not pow2 or rows * group < 16:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}: expected [B, R, KVH, G, D] with R and G powers of two and R·G >= 16 "
+            "(see row_layout)"
+        )
+
+
+def _partials(q, cache_k, cache_v, prefix_lens, slots, *, layer, splits, interpret):
+    """The partial-softmax kernel: ``(o [B, KVH, P, M, D], m, l [B, KVH, P, M])``."""
+    b, rows, kvh, group, d = q.shape
+    m_rows = rows * group
+    n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
+    walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": d**-0.5}
+    cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, p: (layer, 0, 0, h, 0))
+    row_spec = pl.BlockSpec((None, None, None, m_rows), lambda i, h, p: (i, h, p, 0))
+    return pl.pallas_call(
+        functools.partial(_partials_kernel, splits=splits, **walk),
+        grid=(b, kvh, splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, h, p: (0,)),
+            pl.BlockSpec((b,), lambda i, h, p: (0,)),
+            pl.BlockSpec((None, rows, None, group, d), lambda i, h, p: (i, 0, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, p: (i, h, p, 0, 0)), row_spec, row_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, splits, m_rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, m_rows), jnp.float32),
+        ],
+        interpret=interpret,
+        name="dspark_context_attention",
+        **_triton_params(interpret),
+    )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret", "splits"))
@@ -166,8 +305,9 @@ def context_attention(
     """Block queries over layer ``layer``'s context keys ``< prefix_len``, unnormalised.
 
     Args:
-      q: ``[B, KVH, M, D]`` queries grouped by KV head (pre-scaled by nothing; the kernel
-        applies ``D**-0.5``), ``M`` a power of two ≥ 16.
+      q: ``[B, R, KVH, G, D]`` each request's ``R`` query rows of the ``G`` query heads
+        of each KV head (``R`` and ``G`` powers of two, ``R·G ≥ 16``: pad with
+        :func:`row_layout`; the kernel applies ``D**-0.5``).
       cache_k, cache_v: ``[L, N, C, KVH, D]`` the whole context cache of ``N`` slots (read
         in place).
       prefix_lens: ``[B]`` int32 context lengths (values past ``C`` read all of ``C``).
@@ -179,74 +319,22 @@ def context_attention(
         are whole chunks, so more than the chunk count gives the chunk count.
 
     Returns:
-      ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` float32: ``o = Σ exp(s − m)·v``
-      and ``l = Σ exp(s − m)`` over the visible context keys, ``m`` their running max
-      (a large negative finite number and ``o = l = 0`` when none is visible).
-    """
-    b, kvh, rows, d = q.shape
-    n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
-    if slots is None:
-        slots = jnp.arange(b, dtype=jnp.int32)
-    block_c = _block_c(capacity)
-    chunks = -(-capacity // block_c)
-    if splits is None:
-        splits = num_splits(b, kvh, capacity)
-    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
-        raise ValueError(f"splits={splits!r} is invalid: must be an integer >= 1")
-    per = -(-chunks // splits)
-    splits = -(-chunks // per)  # no empty range
-    kernel = functools.partial(_kernel, block_c=block_c, capacity=capacity, per=per, scale=d**-0.5)
-    kv_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, p: (layer, 0, 0, h, 0))
-    row_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
+      ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` float32 with ``M = R·G`` rows
+      ordered ``(r, g)``: ``o = Σ exp(s − m)·v`` and ``l = Σ exp(s − m)`` over the visible
+      context keys, ``m`` their running max (a large negative finite number and
+      ``o = l = 0`` when none is visible).
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(b, kvh, splits),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, h, p: (0,)),
-            pl.BlockSpec((b,), lambda i, h, p: (0,)),
-            pl.BlockSpec((None, None, rows, d), lambda i, h, p: (i, h, 0, 0)),
-            kv_spec,
-            kv_spec,
-        ],
-        out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, h, p: (i, h, p, 0, 0)), row_spec, row_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-        ],
-        interpret=interpret,
-        name="dspark_context_attention",
-        **params,
-    )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
+    Raises:
+      ValueError: ``q``'s layout or ``splits`` is invalid.
+    """
+    _check_query_layout(q)
+    b, kvh, capacity = q.shape[0], q.shape[2], cache_k.shape[2]
+    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    splits = _resolve_splits(splits, b, kvh, capacity)
+    o, m, l = _partials(q, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
     if splits == 1:
         return o[:, :, 0], m[:, :, 0], l[:, :, 0]
     return merge_splits(o, m, l)
-
-
-def merge_own_keys(qg: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Adds the block's own keys to the context part and normalises (float32).
-
-    Args:
-      qg: ``[B, KVH, M, D]`` the grouped queries given to :func:`context_attention`.
-      o, m, l: its outputs.
-      k, v: ``[B, S, KVH, D]`` the block's own keys and values (always visible).
-
-    Returns:
-      ``[B, KVH, M, D]`` float32 attention output.
-    """
-    scale = qg.shape[-1] ** -0.5
-    own = jnp.einsum("bkmd,btkd->bkmt", qg, k, preferred_element_type=jnp.float32) * scale  # [B, KVH, M, S]
-    top = jnp.maximum(m, own.max(-1))  # [B, KVH, M]
-    ctx_w = jnp.exp(m - top)
-    own_p = jnp.exp(own - top[..., None])
-    own_o = jnp.einsum("bkmt,btkd->bkmd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    denom = l * ctx_w + own_p.sum(-1)
-    return (o * ctx_w[..., None] + own_o) / denom[..., None]
 
 
 def attend_block(
@@ -262,10 +350,13 @@ def attend_block(
     interpret: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
-    """Block attention over context (kernel) plus own keys: ``[B, S, NH, D]`` → ``[B, S, NH·D]``.
+    """Block attention over context plus own keys: ``[B, S, NH, D]`` → ``[B, S, NH·D]``.
 
     Same function as :func:`dspark_jax.layers.attend_with_context` with
-    ``ctx_mask = arange(C) < prefix_len``.
+    ``ctx_mask = arange(C) < prefix_len``. With one key range per request (batches from 32
+    up at the 8B shapes) it is one kernel: program ``(b, h)`` walks the context, adds the
+    block's own keys, normalises and writes its rows of the output. With split-K, the
+    ranges' kernel is followed by one that merges them and does the rest.
 
     Args:
       q: ``[B, S, NH, D]`` roped, normed queries.
@@ -282,11 +373,60 @@ def attend_block(
     b, s, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
-    rows = _padded_rows(g * s)
-    qg = q.reshape(b, s, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * s, d)  # [B, KVH, G·S, D]
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * s), (0, 0))).astype(cache_k.dtype)
-    o, m, l = context_attention(
-        qg, cache_k, cache_v, prefix_lens, slots, layer=layer, interpret=interpret, splits=splits
-    )
-    out = merge_own_keys(qg, o, m, l, k.astype(qg.dtype), v.astype(qg.dtype))[:, :, : g * s]
-    return out.reshape(b, kvh, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)
+    rows, group = row_layout(s, g)
+    capacity = cache_k.shape[2]
+    q5 = q.reshape(b, s, kvh, g, d).astype(cache_k.dtype)
+    q5 = jnp.pad(q5, ((0, 0), (0, rows - s), (0, 0), (0, group - g), (0, 0)))  # [B, R, KVH, Gp, D]
+    keys = max(16, 1 << (s - 1).bit_length())  # own keys padded to a tensor-core tile
+    k, v = (jnp.pad(x.astype(cache_k.dtype), ((0, 0), (0, keys - s), (0, 0), (0, 0))) for x in (k, v))
+    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+    splits = _resolve_splits(splits, b, kvh, capacity)
+    scale = d**-0.5
+    q_spec = pl.BlockSpec((None, rows, None, group, d), lambda i, h: (i, 0, h, 0, 0))
+    own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h: (i, 0, h, 0))
+    out_shape = jax.ShapeDtypeStruct(q5.shape, q.dtype)
+    if splits == 1:
+        n_slots = cache_k.shape[1]
+        cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h: (layer, 0, 0, h, 0))
+        walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": scale}
+        out = pl.pallas_call(
+            functools.partial(_whole_kernel, own=s, **walk),
+            grid=(b, kvh),
+            in_specs=[
+                pl.BlockSpec((b,), lambda i, h: (0,)),
+                pl.BlockSpec((b,), lambda i, h: (0,)),
+                q_spec,
+                cache_spec,
+                cache_spec,
+                own_spec,
+                own_spec,
+            ],
+            out_specs=q_spec,
+            out_shape=out_shape,
+            interpret=interpret,
+            name="dspark_block_attention",
+            **_triton_params(interpret),
+        )(prefix_lens.astype(jnp.int32), slots, q5, cache_k, cache_v, k, v)
+    else:
+        o, m, l = _partials(q5, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
+        row_spec = pl.BlockSpec((None, None, None, group, d), lambda i, h, r: (i, r, h, 0, 0))  # [Gp, D]
+        own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h, r: (i, 0, h, 0))
+        part_spec = pl.BlockSpec((None, None, splits, group), lambda i, h, r: (i, h, 0, r))  # [P, Gp]
+        out = pl.pallas_call(
+            functools.partial(_merge_kernel, own=s, scale=scale),
+            grid=(b, kvh, rows),
+            in_specs=[
+                row_spec,
+                pl.BlockSpec((None, None, splits, group, d), lambda i, h, r: (i, h, 0, r, 0)),  # [P, Gp, D]
+                part_spec,
+                part_spec,
+                own_spec,
+                own_spec,
+            ],
+            out_specs=row_spec,
+            out_shape=out_shape,
+            interpret=interpret,
+            name="dspark_merge_attention",
+            **_triton_params(interpret),
+        )(q5, o, m, l, k, v)
+    return out[:, :s, :, :g].reshape(b, s, nh * d)

@@ -18,6 +18,7 @@ from dspark_jax.attention_kernel import (
     kernel_supported,
     merge_splits,
     num_splits,
+    row_layout,
     use_kernel,
 )
 from dspark_jax.presets import load_preset
@@ -45,22 +46,26 @@ def _reference(q, ck, cv, k, v, lens, layer):
 
 
 @pytest.mark.parametrize(
-    ("capacity", "lens", "rows"),
+    ("capacity", "lens", "rows", "heads"),
     [
-        (40, [30, 0, 40], 7),  # chunk 32: the last chunk overlaps the one before it
-        (100, [100, 64, 65], 8),  # several chunks of 64, boundaries at and past a chunk end
-        (16, [3, 16, 999], 5),  # smallest capacity; a length past the capacity reads all of it
+        (40, [30, 0, 40], 7, 8),  # chunk 32: the last chunk overlaps the one before it; 7 rows padded to 8
+        (150, [150, 64, 129], 8, 6),  # 3 chunks of 64 (2 ranges: uneven); boundaries at and past a chunk end; G = 3
+        (16, [3, 16, 999], 5, 2),  # smallest capacity; a length past the capacity reads all of it; 16 padded rows
     ],
 )
 @pytest.mark.parametrize("splits", [None, 1, 2, 99])
-def test_attend_block_matches_numpy(capacity, lens, rows, splits):
-    """``splits``: one range per request, two, one per chunk (99 is clamped), the default."""
-    q, ck, cv, k, v = _inputs(capacity, layers=2, batch=3, rows=rows, heads=8, kv_heads=2, dim=16, capacity=capacity)
+def test_attend_block_matches_numpy(capacity, lens, rows, heads, splits):
+    """``splits``: one range per request (one kernel), two, one per chunk (99 is clamped),
+    the default (ranges, then the merging kernel)."""
+    q, ck, cv, k, v = _inputs(
+        capacity, layers=2, batch=3, rows=rows, heads=heads, kv_heads=2, dim=16, capacity=capacity
+    )
     lens = jnp.asarray(lens, jnp.int32)
     for layer in range(2):
         got = attend_block(
             q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=layer, interpret=True, splits=splits
         )
+        assert got.shape == (3, rows, heads * 16) and got.dtype == q.dtype
         want = _reference(q, ck, cv, k, v, np.minimum(np.asarray(lens), capacity), layer)
         rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
         assert rel < 1e-5, (layer, rel)
@@ -68,7 +73,7 @@ def test_attend_block_matches_numpy(capacity, lens, rows, splits):
 
 def test_num_splits_fills_the_gpu_at_small_batches():
     # the 8B draft: 8 KV heads, capacity 1040 = 17 chunks of 64
-    assert [num_splits(b, 8, 1040) for b in (1, 2, 8, 16, 32, 128)] == [17, 9, 4, 2, 1, 1]
+    assert [num_splits(b, 8, 1040) for b in (1, 2, 8, 16, 32, 128)] == [16, 16, 4, 2, 1, 1]  # powers of two
     assert num_splits(1, 1, 16) == 1  # one chunk: nothing to split
     assert num_splits(3, 2, 100) == 2  # never more ranges than chunks
 
@@ -97,7 +102,7 @@ def test_merge_splits_matches_one_softmax():
 
 def test_context_attention_rejects_bad_splits():
     q, ck, cv, _, _ = _inputs(0, layers=1, batch=1, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
-    qg = q.reshape(1, 4, 1, 4, 16).transpose(0, 2, 3, 1, 4).reshape(1, 1, 16, 16)
+    qg = q.reshape(1, 4, 1, 4, 16)  # [B, R, KVH, G, D]
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match=rf"splits={bad!r} is invalid: must be an integer >= 1"):
             context_attention(qg, ck, cv, jnp.array([5], jnp.int32), layer=0, interpret=True, splits=bad)
@@ -106,11 +111,28 @@ def test_context_attention_rejects_bad_splits():
 @pytest.mark.parametrize("splits", [1, 2])
 def test_context_attention_of_an_empty_context_is_zero(splits):
     q, ck, cv, _, _ = _inputs(0, layers=1, batch=2, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
-    qg = jnp.pad(q.reshape(2, 4, 1, 4, 16).transpose(0, 2, 3, 1, 4).reshape(2, 1, 16, 16), ((0, 0),) * 4)
+    qg = q.reshape(2, 4, 1, 4, 16)  # [B, R, KVH, G, D]
     o, m, l = context_attention(qg, ck, cv, jnp.array([0, 5], jnp.int32), layer=0, interpret=True, splits=splits)
     assert np.all(np.asarray(o[0]) == 0) and np.all(np.asarray(l[0]) == 0)
     assert np.all(np.asarray(m[0]) < -1e30) and np.all(np.isfinite(np.asarray(m[0])))
     assert np.all(np.asarray(l[1]) >= 1.0)  # the row max contributes exp(0) = 1
+
+
+def test_context_attention_rejects_a_query_layout_the_kernel_cannot_tile():
+    q, ck, cv, _, _ = _inputs(0, layers=1, batch=1, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
+    lens = jnp.array([5], jnp.int32)
+    for bad in (q.reshape(1, 4, 1, 4, 16)[:, :3], q.reshape(1, 4, 1, 4, 16)[:, :2], q):
+        with pytest.raises(
+            ValueError, match=r"q has shape .*: expected \[B, R, KVH, G, D\] with R and G powers of two"
+        ):
+            context_attention(bad, ck, cv, lens, layer=0, interpret=True)
+
+
+def test_row_layout_pads_to_power_of_two_tiles():
+    assert row_layout(7, 4) == (8, 4)  # the 8B draft: 32 query rows per program
+    assert row_layout(8, 5) == (8, 8)  # 40 heads over 8 KV heads (the 14B draft)
+    assert row_layout(2, 1) == (16, 1)
+    assert row_layout(1, 32) == (1, 32)
 
 
 def test_kernel_supported_and_choice(monkeypatch):
