@@ -1,30 +1,36 @@
-"""Fused context attention for the draft block: one Pallas (Triton) kernel per layer on GPUs.
+"""Fused block attention for the draft: one or two Pallas (Triton) kernels per layer on GPUs.
 
 Shape legend: B batch, S block rows, NH query heads, KVH key/value heads, G = NH / KVH,
-D head dim, C cache capacity, L draft layers, M = G·S query rows per KV head padded to a
-power of two (at least 16, the smallest tile a tensor-core product takes).
+D head dim, C cache capacity, L draft layers, N cache slots; R and Gp are S and G padded
+(:func:`row_layout`), M = R·Gp query rows per program, P key ranges, T own keys padded.
 
 The draft's block queries attend over each request's first ``prefix_len`` context keys and
-over the block's own keys, under one softmax. :func:`context_attention` does the context
-part in one kernel launch per layer: program ``(b, h, p)`` holds the ``M`` query rows of KV
-head ``h`` of request ``b`` and walks key range ``p`` of that request's context (split-K:
-small batches split each context into :func:`num_splits` ranges so that the layer runs
-enough programs to fill the GPU) in chunks of ``block_c`` keys with an online (flash)
-softmax, reading the cache where it lies (``[L, N, C, KVH, D]``, slot ``slots[b]``: no
-gather, no copy, no transpose, no ``[B, NH, S, C]`` score tensor in memory) and stopping
-at ``prefix_len``, so unused capacity is never read; :func:`merge_splits` combines the
-ranges' partial softmaxes. It returns the unnormalised output with its running max and
-sum; :func:`merge_own_keys` adds the block's own keys (``S`` of them, always visible) and
-normalises, in float32.
+over the block's own keys, under one softmax. :func:`attend_block` takes the queries in
+their own layout (``[B, R, KVH, Gp, D]``, a reshape and a pad of ``[B, S, NH, D]``, no
+transpose) and writes the output in it, so no XLA kernel runs between the q/k/v
+projections and the output projection but the norms, RoPE and pads:
+
+* one key range per request (batches from 32 up at the 8B shapes): program ``(b, h)``
+  holds the ``M`` query rows of KV head ``h`` of request ``b``, walks the visible context in
+  chunks of ``block_c`` keys with an online (flash) softmax, reading the cache where it lies
+  (``[L, N, C, KVH, D]``, slot ``slots[b]``: no gather, no copy, no ``[B, NH, S, C]`` score
+  tensor in memory) and stopping at ``prefix_len``, then adds the block's own keys as one
+  more tile, normalises and stores its rows;
+* split-K (smaller batches, :func:`num_splits`): program ``(b, h, p)`` walks key range ``p``
+  only and stores its partial softmax; a second kernel, program ``(b, h, r)`` per query row,
+  loads the ``P`` partials at once, merges them, adds the own keys and normalises.
+
+:func:`context_attention` is the context part alone (unnormalised, ranges merged by
+:func:`merge_splits`), for tests and callers that add their own keys.
 
 Chunks never read past the capacity: chunk ``j`` loads keys ``[min(j·c, C − c), … + c)`` and
 masks out every position below ``j·c`` (already counted) or at or past ``prefix_len``.
 
-:func:`kernel_supported` says when the kernel applies (a bfloat16/float16 cache, ``D`` a
-power of two ≥ 16, ``C`` ≥ 16) and :func:`use_kernel` whether this trace uses it (by default
-on GPU backends only); elsewhere :func:`dspark_jax.layers.attend_with_context` computes the same
-attention with XLA (float32 caches, the CPU). ``interpret=True`` runs the kernel through the Pallas interpreter on any
-backend (the CPU tests do).
+:func:`kernel_supported` says when the kernels apply (a bfloat16/float16 cache, ``D`` a
+power of two ≥ 16, ``C`` ≥ 16) and :func:`use_kernel` whether this trace uses them (by
+default on GPU backends only); elsewhere :func:`dspark_jax.layers.attend_with_context`
+computes the same attention with XLA (float32 caches, the CPU). ``interpret=True`` runs the
+kernels through the Pallas interpreter on any backend (the CPU tests do).
 """
 
 from __future__ import annotations
