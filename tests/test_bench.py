@@ -2,10 +2,14 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from dspark_jax import bench
+from dspark_jax.race_kernel import race_supported
+
+_ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +45,17 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
         assert e2e[name] > 0
     assert tiny_result["meta"]["shapes"] == "tiny"
-    assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is False  # CPU: XLA sampler
+    # auto: the race kernel on GPUs (the tiny vocabulary is supported), the XLA sampler elsewhere
+    assert race_supported(bench.draft_config(bench.SHAPES["tiny"]).vocab_size)
+    assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is _ON_GPU
     assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
 
 
 def test_table_has_a_line_per_timed_row(tiny_result):
     table = bench.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
-    assert "folded walk's sampling step: XLA (DSPARK_JAX_RACE=auto)" in table
+    kernel = "fused Pallas kernel per step" if _ON_GPU else "XLA"
+    assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_RACE=auto)" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 
