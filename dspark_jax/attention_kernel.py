@@ -226,25 +226,24 @@ def _merge_kernel(q_ref, o_ref, m_ref, l_ref, k_ref, v_ref, out_ref, *, own, sca
     """Program ``(b, h, r)``: query row ``r``'s ``Gp`` heads. Merges the ``P`` ranges' partial
     softmaxes (``o_ref [P, Gp, D]``, ``m_ref``/``l_ref [P, Gp]``, all loaded at once), then
     adds the block's own keys → ``out_ref [Gp, D]``."""
-    m = m_ref[...]  # [P, Gp]
-    top = m.max(axis=0)  # [Gp]
-    w = jnp.exp(m - top[None, :])  # [P, Gp]; 0 for empty ranges next to a visible one
-    o = (o_ref[...] * w[:, :, None]).sum(axis=0)  # [Gp, D]
-    _finish(q_ref[...], o, top, (l_ref[...] * w).sum(axis=0), k_ref, v_ref, out_ref, own=own, scale=scale)
+    o, m, l = merge_splits(o_ref[...], m_ref[...], l_ref[...], axis=0)
+    _finish(q_ref[...], o, m, l, k_ref, v_ref, out_ref, own=own, scale=scale)
 
 
-def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges ``P`` partial softmaxes over disjoint key ranges (float32).
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, *, axis: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merges ``P`` partial softmaxes over disjoint key ranges (float32; also inside a kernel).
 
     Args:
-      o: ``[B, KVH, P, M, D]``; m, l: ``[B, KVH, P, M]``, as each range's kernel program wrote them.
+      o: ``[B, KVH, P, M, D]``; m, l: ``[B, KVH, P, M]``, as each range's kernel program
+        wrote them (the ranges on ``axis``, which must not be the last axis of ``m``).
+      axis: the ranges' axis.
 
     Returns:
       ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` over the union of the ranges.
     """
-    top = m.max(axis=2)  # [B, KVH, M]
-    w = jnp.exp(m - top[:, :, None])  # [B, KVH, P, M]; 0 for empty ranges next to a visible one
-    return (o * w[..., None]).sum(axis=2), top, (l * w).sum(axis=2)
+    top = m.max(axis=axis)  # [B, KVH, M]
+    w = jnp.exp(m - jnp.expand_dims(top, axis))  # [B, KVH, P, M]; 0 for empty ranges next to a visible one
+    return (o * w[..., None]).sum(axis=axis), top, (l * w).sum(axis=axis)
 
 
 def _triton_params(interpret: bool) -> dict:
@@ -257,9 +256,9 @@ def _triton_params(interpret: bool) -> dict:
 
 def _check_query_layout(q: jax.Array) -> None:
     """``q [B, R, KVH, Gp, D]``: ``R`` and ``Gp`` powers of two, ``R · Gp ≥ 16``."""
-    rows, group = q.shape[1], q.shape[3]
+    rows, group = (q.shape[1], q.shape[3]) if q.ndim == 5 else (0, 0)
     pow2 = all(n >= 1 and n & (n - 1) == 0 for n in (rows, group))
-    if q.ndim != 5 or not pow2 or rows * group < 16:
+    if not pow2 or rows * group < 16:
         raise ValueError(
             f"q has shape {tuple(q.shape)}: expected [B, R, KVH, G, D] with R and G powers of two and R·G >= 16 "
             "(see row_layout)"

@@ -121,7 +121,7 @@ def test_context_attention_of_an_empty_context_is_zero(splits):
 def test_context_attention_rejects_a_query_layout_the_kernel_cannot_tile():
     q, ck, cv, _, _ = _inputs(0, layers=1, batch=1, rows=4, heads=4, kv_heads=1, dim=16, capacity=32)
     lens = jnp.array([5], jnp.int32)
-    for bad in (q.reshape(1, 4, 1, 4, 16)[:, :3], q.reshape(1, 4, 1, 4, 16)[:, :2], q):
+    for bad in (q.reshape(1, 4, 1, 4, 16)[:, :3], q.reshape(1, 4, 1, 4, 16)[:, :2], q, q[0]):
         with pytest.raises(
             ValueError, match=r"q has shape .*: expected \[B, R, KVH, G, D\] with R and G powers of two"
         ):
