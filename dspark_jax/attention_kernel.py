@@ -265,24 +265,29 @@ def _check_query_layout(q: jax.Array) -> None:
         )
 
 
+def _context_inputs(q: jax.Array, cache_k: jax.Array, layer: int) -> tuple[dict, list[pl.BlockSpec]]:
+    """The walk's parameters and the specs of ``(prefix_lens, slots, q, cache_k, cache_v)``
+    for a grid ``(b, h, …)``: ``q [B, R, KVH, Gp, D]`` as ``[R, Gp, D]`` per program, the
+    cache's KV head ``h`` of every slot of layer ``layer`` read in place."""
+    b, rows, _, group, d = q.shape
+    n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
+    walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": d**-0.5}
+    cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, *_: (layer, 0, 0, h, 0))
+    per_request = pl.BlockSpec((b,), lambda i, h, *_: (0,))
+    q_spec = pl.BlockSpec((None, rows, None, group, d), lambda i, h, *_: (i, 0, h, 0, 0))
+    return walk, [per_request, per_request, q_spec, cache_spec, cache_spec]
+
+
 def _partials(q, cache_k, cache_v, prefix_lens, slots, *, layer, splits, interpret):
     """The partial-softmax kernel: ``(o [B, KVH, P, M, D], m, l [B, KVH, P, M])``."""
     b, rows, kvh, group, d = q.shape
     m_rows = rows * group
-    n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
-    walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": d**-0.5}
-    cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, p: (layer, 0, 0, h, 0))
+    walk, in_specs = _context_inputs(q, cache_k, layer)
     row_spec = pl.BlockSpec((None, None, None, m_rows), lambda i, h, p: (i, h, p, 0))
     return pl.pallas_call(
         functools.partial(_partials_kernel, splits=splits, **walk),
         grid=(b, kvh, splits),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, h, p: (0,)),
-            pl.BlockSpec((b,), lambda i, h, p: (0,)),
-            pl.BlockSpec((None, rows, None, group, d), lambda i, h, p: (i, 0, h, 0, 0)),
-            cache_spec,
-            cache_spec,
-        ],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, p: (i, h, p, 0, 0)), row_spec, row_spec],
         out_shape=[
             jax.ShapeDtypeStruct((b, kvh, splits, m_rows, d), jnp.float32),
@@ -320,8 +325,8 @@ def context_attention(
         which needs ``N == B``); the kernel reads those slots without gathering them.
       layer: which of the ``L`` layers.
       interpret: run through the Pallas interpreter (any backend).
-      splits: key ranges per ``(request, KV head)`` (default :func:`num_splits`); ranges
-        are whole chunks, so more than the chunk count gives the chunk count.
+      splits: key ranges per ``(request, KV head)`` (default :func:`num_splits`), rounded
+        down to a power of two and to at most the chunk count (ranges are whole chunks).
 
     Returns:
       ``(o [B, KVH, M, D], m [B, KVH, M], l [B, KVH, M])`` float32 with ``M = R·G`` rows
@@ -387,26 +392,15 @@ def attend_block(
     slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
     splits = _resolve_splits(splits, b, kvh, capacity)
     scale = d**-0.5
-    q_spec = pl.BlockSpec((None, rows, None, group, d), lambda i, h: (i, 0, h, 0, 0))
-    own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h: (i, 0, h, 0))
     out_shape = jax.ShapeDtypeStruct(q5.shape, q.dtype)
+    own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h, *_: (i, 0, h, 0))  # KV head h's [T, D]
     if splits == 1:
-        n_slots = cache_k.shape[1]
-        cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h: (layer, 0, 0, h, 0))
-        walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": scale}
+        walk, in_specs = _context_inputs(q5, cache_k, layer)
         out = pl.pallas_call(
             functools.partial(_whole_kernel, own=s, **walk),
             grid=(b, kvh),
-            in_specs=[
-                pl.BlockSpec((b,), lambda i, h: (0,)),
-                pl.BlockSpec((b,), lambda i, h: (0,)),
-                q_spec,
-                cache_spec,
-                cache_spec,
-                own_spec,
-                own_spec,
-            ],
-            out_specs=q_spec,
+            in_specs=[*in_specs, own_spec, own_spec],
+            out_specs=in_specs[2],  # the output rows lie where the query rows do
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_block_attention",
@@ -415,7 +409,6 @@ def attend_block(
     else:
         o, m, l = _partials(q5, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
         row_spec = pl.BlockSpec((None, None, None, group, d), lambda i, h, r: (i, r, h, 0, 0))  # [Gp, D]
-        own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h, r: (i, 0, h, 0))
         part_spec = pl.BlockSpec((None, None, splits, group), lambda i, h, r: (i, h, 0, r))  # [P, Gp]
         out = pl.pallas_call(
             functools.partial(_merge_kernel, own=s, scale=scale),
