@@ -5,10 +5,12 @@ D head dim, C cache capacity, L draft layers, N cache slots; R and Gp are S and 
 (:func:`row_layout`), M = R·Gp query rows per program, P key ranges, T own keys padded.
 
 The draft's block queries attend over each request's first ``prefix_len`` context keys and
-over the block's own keys, under one softmax. :func:`attend_block` takes the queries in
-their own layout (``[B, R, KVH, Gp, D]``, a reshape and a pad of ``[B, S, NH, D]``, no
-transpose) and writes the output in it, so no XLA kernel runs between the q/k/v
-projections and the output projection but the norms, RoPE and pads:
+over the block's own keys, under one softmax. :func:`attend_block` hands the kernels the
+queries as ``[B, S, KVH, G, D]`` (a reshape of ``[B, S, NH, D]``: no transpose, no pad)
+and the block's keys and values as they are; each program loads its ``[R, Gp, D]`` query
+tile and ``[T, D]`` own-key tile with the padding rows and heads masked (zeros, nothing
+read) and stores only the real rows of the ``[B, S, KVH, G, D]`` output, so no XLA kernel
+runs between the q/k/v projections and the output projection but the norms and RoPE:
 
 * one key range per request (batches from 32 up at the 8B shapes): program ``(b, h)``
   holds the ``M`` query rows of KV head ``h`` of request ``b``, walks the visible context in
@@ -17,8 +19,8 @@ projections and the output projection but the norms, RoPE and pads:
   tensor in memory) and stopping at ``prefix_len``, then adds the block's own keys as one
   more tile, normalises and stores its rows;
 * split-K (smaller batches, :func:`num_splits`): program ``(b, h, p)`` walks key range ``p``
-  only and stores its partial softmax; a second kernel, program ``(b, h, r)`` per query row,
-  loads the ``P`` partials at once, merges them, adds the own keys and normalises.
+  only and stores its partial softmax; a second kernel, program ``(b, h, r)`` per real query
+  row, loads the ``P`` partials at once, merges them, adds the own keys and normalises.
 
 :func:`context_attention` is the context part alone (unnormalised, ranges merged by
 :func:`merge_splits`), for tests and callers that add their own keys.
@@ -127,10 +129,44 @@ def _resolve_splits(splits: int | None, batch: int, kv_heads: int, capacity: int
     return _pow2_floor(min(splits, -(-capacity // _block_c(capacity))))
 
 
-def _query_rows(q_ref) -> jax.Array:
-    """``q_ref [R, Gp, D]`` → the program's ``[M, D]`` query rows, ordered ``(r, g)``."""
-    rows, group, dim = q_ref.shape
-    return q_ref[...].reshape(rows * group, dim)
+def _load(ref, idx, mask):
+    """``ref[idx]``; with a mask, a masked load (zeros where it is False, nothing read there)."""
+    if mask is None:
+        return ref[idx]
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref.at[idx], mask=mask, other=0)
+
+
+def _store(ref, idx, value, mask) -> None:
+    """``ref[idx] = value``; with a mask, only where it is True."""
+    if mask is None:
+        ref[idx] = value
+        return
+    from jax.experimental.pallas import triton as plgpu
+
+    plgpu.store(ref.at[idx], value, mask=mask)
+
+
+def _tile_mask(shape: tuple[int, ...], real: tuple[int, ...]):
+    """Mask of a tile ``shape`` whose leading dims hold ``real`` valid entries each
+    (``None`` when all do): the padding rows and heads are masked in the kernels, not
+    padded in memory."""
+    if all(n == r for n, r in zip(shape, real, strict=False)):
+        return None
+    mask = jnp.ones(shape, jnp.bool_)
+    for axis, r in enumerate(real):
+        ids = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        mask = mask & (ids < r)
+    return mask
+
+
+def _query_tile(q_ref, b, h, rows: int, group: int) -> jax.Array:
+    """Request ``b``'s queries of KV head ``h`` from ``q_ref [B, S, KVH, G, D]`` as ``[M, D]``,
+    ``M = R·Gp`` rows ordered ``(r, g)``; rows ``≥ S`` and heads ``≥ G`` are zeros."""
+    _, s, _, g, d = q_ref.shape
+    idx = (b, pl.ds(0, rows), h, pl.ds(0, group), slice(None))
+    return _load(q_ref, idx, _tile_mask((rows, group, d), (s, g))).reshape(rows * group, d)
 
 
 def _walk_context(q, ck_ref, cv_ref, row, prefix, first, last, *, block_c, capacity, scale):
@@ -165,69 +201,82 @@ def _walk_context(q, ck_ref, cv_ref, row, prefix, first, last, *, block_c, capac
     return jax.lax.fori_loop(first, last, body, init)  # no iteration when last <= first
 
 
-def _finish(q, o, m, l, k_ref, v_ref, out_ref, *, own, scale):
-    """Adds the block's own keys to ``(o, m, l)``, normalises and stores the output.
+def _finish(q, o, m, l, k_ref, v_ref, b, h, *, keys, scale) -> jax.Array:
+    """Adds the block's own keys to ``(o, m, l)`` and normalises → ``[M, D]`` float32.
 
-    ``q [M, D]``; ``k_ref``/``v_ref [T, D]`` this KV head's block keys and values, the
-    first ``own`` of them real (always visible), the rest padding; ``out_ref`` holds the
-    ``M`` rows. With ``M ≥ 16`` the keys are one more tile of tensor-core products (scores
-    and probabilities rounded as the context's); fewer rows (the merge kernel's) read
-    them one by one in float32.
+    ``q [M, D]``; ``k_ref``/``v_ref [B, S, KVH, D]`` the block's keys and values (all ``S``
+    visible to every row). With ``M ≥ 16`` request ``b``'s keys of KV head ``h`` are one
+    more tile of tensor-core products (``keys`` rows, the ``S`` real ones loaded, the rest
+    masked; scores and probabilities rounded as the context's); fewer rows (the merge
+    kernel's) read them one by one in float32.
     """
+    own = k_ref.shape[1]
     if q.shape[0] >= 16:
-        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        s = jnp.where(jnp.arange(s.shape[1])[None, :] < own, s, _NEG)  # [M, T]
+        idx = (b, pl.ds(0, keys), h, slice(None))
+        mask = _tile_mask((keys, q.shape[1]), (own,))
+        k, v = _load(k_ref, idx, mask), _load(v_ref, idx, mask)  # [T, D]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(jnp.arange(keys)[None, :] < own, s, _NEG)  # [M, T]
         top = jnp.maximum(m, s.max(axis=-1))  # finite: the block is visible
         p = jnp.exp(s - top[:, None])
-        v = v_ref[...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         fix = jnp.exp(m - top)
         o, l = o * fix[:, None] + pv, l * fix + p.sum(axis=-1)
     else:
         q32 = q.astype(jnp.float32)
-        scores = [jnp.sum(q32 * k_ref[t, :].astype(jnp.float32)[None, :], axis=1) * scale for t in range(own)]
+        scores = [jnp.sum(q32 * k_ref[b, t, h, :].astype(jnp.float32)[None, :], axis=1) * scale for t in range(own)]
         top = functools.reduce(jnp.maximum, scores, m)  # [M]; finite: the block is visible
         fix = jnp.exp(m - top)
         o, l = o * fix[:, None], l * fix
         for t, st in enumerate(scores):
             p = jnp.exp(st - top)  # [M]
-            o = o + p[:, None] * v_ref[t, :].astype(jnp.float32)[None, :]
+            o = o + p[:, None] * v_ref[b, t, h, :].astype(jnp.float32)[None, :]
             l = l + p
-    out_ref[...] = (o / l[:, None]).reshape(out_ref.shape).astype(out_ref.dtype)
+    return o / l[:, None]
 
 
-def _partials_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref, *, splits, **walk):
+def _partials_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref, *, splits, rows, group, **walk):
     """Program ``(b, h, p)``: chunks ``[⌊p·n/P⌋, ⌊(p + 1)·n/P⌋)`` of request ``b``'s visible context.
 
-    ``q_ref [R, Gp, D]``, ``ck_ref``/``cv_ref [N, C, D]`` (KV head ``h`` of every slot) →
-    ``o_ref [M, D]``, ``m_ref``/``l_ref [M]``.
+    ``q_ref [B, S, KVH, G, D]``, ``ck_ref``/``cv_ref [N, C, D]`` (KV head ``h`` of every
+    slot) → ``o_ref [M, D]``, ``m_ref``/``l_ref [M]``.
     """
-    b, p = pl.program_id(0), pl.program_id(2)
+    b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     chunks = -(-walk["capacity"] // walk["block_c"])
     first = p * chunks // splits
     prefix = jnp.minimum(lens_ref[b], walk["capacity"])
     last = jnp.minimum((p + 1) * chunks // splits, pl.cdiv(prefix, walk["block_c"]))
-    o, m, l = _walk_context(_query_rows(q_ref), ck_ref, cv_ref, slots_ref[b], prefix, first, last, **walk)
+    q = _query_tile(q_ref, b, h, rows, group)
+    o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, first, last, **walk)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _whole_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref, out_ref, *, own, **walk):
-    """Program ``(b, h)``: the whole visible context, then the block's own keys → ``out_ref [R, Gp, D]``."""
-    b = pl.program_id(0)
+def _whole_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref, out_ref, *, rows, group, keys, **walk):
+    """Program ``(b, h)``: the whole visible context, then the block's own keys → request
+    ``b``'s rows of KV head ``h`` in ``out_ref [B, S, KVH, G, D]``."""
+    b, h = pl.program_id(0), pl.program_id(1)
     prefix = jnp.minimum(lens_ref[b], walk["capacity"])
-    q = _query_rows(q_ref)
+    q = _query_tile(q_ref, b, h, rows, group)
     o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, 0, pl.cdiv(prefix, walk["block_c"]), **walk)
-    _finish(q, o, m, l, k_ref, v_ref, out_ref, own=own, scale=walk["scale"])
+    out = _finish(q, o, m, l, k_ref, v_ref, b, h, keys=keys, scale=walk["scale"])
+    _, s, _, g, d = out_ref.shape
+    idx = (b, pl.ds(0, rows), h, pl.ds(0, group), slice(None))
+    _store(out_ref, idx, out.reshape(rows, group, d).astype(out_ref.dtype), _tile_mask((rows, group, d), (s, g)))
 
 
-def _merge_kernel(q_ref, o_ref, m_ref, l_ref, k_ref, v_ref, out_ref, *, own, scale):
-    """Program ``(b, h, r)``: query row ``r``'s ``Gp`` heads. Merges the ``P`` ranges' partial
+def _merge_kernel(q_ref, o_ref, m_ref, l_ref, k_ref, v_ref, out_ref, *, group, keys, scale):
+    """Program ``(b, h, r)``: query row ``r``'s heads. Merges the ``P`` ranges' partial
     softmaxes (``o_ref [P, Gp, D]``, ``m_ref``/``l_ref [P, Gp]``, all loaded at once), then
-    adds the block's own keys → ``out_ref [Gp, D]``."""
+    adds the block's own keys → row ``r`` of ``out_ref [B, S, KVH, G, D]``."""
+    b, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, d = q_ref.shape[3], q_ref.shape[4]
+    idx = (b, r, h, pl.ds(0, group), slice(None))
+    mask = _tile_mask((group, d), (g,))
     o, m, l = merge_splits(o_ref[...], m_ref[...], l_ref[...], axis=0)
-    _finish(q_ref[...], o, m, l, k_ref, v_ref, out_ref, own=own, scale=scale)
+    out = _finish(_load(q_ref, idx, mask), o, m, l, k_ref, v_ref, b, h, keys=keys, scale=scale)
+    _store(out_ref, idx, out.astype(out_ref.dtype), mask)
 
 
 def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, *, axis: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -265,24 +314,30 @@ def _check_query_layout(q: jax.Array) -> None:
         )
 
 
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """The whole array for every program (each indexes its own part)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
 def _context_inputs(q: jax.Array, cache_k: jax.Array, layer: int) -> tuple[dict, list[pl.BlockSpec]]:
     """The walk's parameters and the specs of ``(prefix_lens, slots, q, cache_k, cache_v)``
-    for a grid ``(b, h, …)``: ``q [B, R, KVH, Gp, D]`` as ``[R, Gp, D]`` per program, the
-    cache's KV head ``h`` of every slot of layer ``layer`` read in place."""
-    b, rows, _, group, d = q.shape
+    for a grid ``(b, h, …)``: ``q [B, S, KVH, G, D]`` whole (each program loads its
+    ``[R, Gp, D]`` tile, padding masked), the cache's KV head ``h`` of every slot of layer
+    ``layer`` read in place."""
+    b, s, _, g, d = q.shape
     n_slots, capacity = cache_k.shape[1], cache_k.shape[2]
-    walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": d**-0.5}
+    rows, group = row_layout(s, g)
+    walk = {"block_c": _block_c(capacity), "capacity": capacity, "scale": d**-0.5, "rows": rows, "group": group}
     cache_spec = pl.BlockSpec((None, n_slots, capacity, None, d), lambda i, h, *_: (layer, 0, 0, h, 0))
     per_request = pl.BlockSpec((b,), lambda i, h, *_: (0,))
-    q_spec = pl.BlockSpec((None, rows, None, group, d), lambda i, h, *_: (i, 0, h, 0, 0))
-    return walk, [per_request, per_request, q_spec, cache_spec, cache_spec]
+    return walk, [per_request, per_request, _whole(q.shape), cache_spec, cache_spec]
 
 
 def _partials(q, cache_k, cache_v, prefix_lens, slots, *, layer, splits, interpret):
-    """The partial-softmax kernel: ``(o [B, KVH, P, M, D], m, l [B, KVH, P, M])``."""
-    b, rows, kvh, group, d = q.shape
-    m_rows = rows * group
+    """The partial-softmax kernel over ``q [B, S, KVH, G, D]``: ``(o [B, KVH, P, M, D], m, l [B, KVH, P, M])``."""
+    b, _, kvh, _, d = q.shape
     walk, in_specs = _context_inputs(q, cache_k, layer)
+    m_rows = walk["rows"] * walk["group"]
     row_spec = pl.BlockSpec((None, None, None, m_rows), lambda i, h, p: (i, h, p, 0))
     return pl.pallas_call(
         functools.partial(_partials_kernel, splits=splits, **walk),
@@ -383,24 +438,20 @@ def attend_block(
     b, s, nh, d = q.shape
     kvh = k.shape[2]
     g = nh // kvh
-    rows, group = row_layout(s, g)
     capacity = cache_k.shape[2]
-    q5 = q.reshape(b, s, kvh, g, d).astype(cache_k.dtype)
-    q5 = jnp.pad(q5, ((0, 0), (0, rows - s), (0, 0), (0, group - g), (0, 0)))  # [B, R, KVH, Gp, D]
-    keys = max(16, 1 << (s - 1).bit_length())  # own keys padded to a tensor-core tile
-    k, v = (jnp.pad(x.astype(cache_k.dtype), ((0, 0), (0, keys - s), (0, 0), (0, 0))) for x in (k, v))
+    q5 = q.reshape(b, s, kvh, g, d).astype(cache_k.dtype)  # [B, S, KVH, G, D]: a reshape, no copy
+    k, v = k.astype(cache_k.dtype), v.astype(cache_k.dtype)
     slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
     splits = _resolve_splits(splits, b, kvh, capacity)
-    scale = d**-0.5
     out_shape = jax.ShapeDtypeStruct(q5.shape, q.dtype)
-    own_spec = pl.BlockSpec((None, keys, None, d), lambda i, h, *_: (i, 0, h, 0))  # KV head h's [T, D]
+    keys = max(16, 1 << (s - 1).bit_length())  # own keys as one tensor-core tile
     if splits == 1:
         walk, in_specs = _context_inputs(q5, cache_k, layer)
         out = pl.pallas_call(
-            functools.partial(_whole_kernel, own=s, **walk),
+            functools.partial(_whole_kernel, keys=keys, **walk),
             grid=(b, kvh),
-            in_specs=[*in_specs, own_spec, own_spec],
-            out_specs=in_specs[2],  # the output rows lie where the query rows do
+            in_specs=[*in_specs, _whole(k.shape), _whole(v.shape)],
+            out_specs=_whole(out_shape.shape),
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_block_attention",
@@ -408,23 +459,23 @@ def attend_block(
         )(prefix_lens.astype(jnp.int32), slots, q5, cache_k, cache_v, k, v)
     else:
         o, m, l = _partials(q5, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
-        row_spec = pl.BlockSpec((None, None, None, group, d), lambda i, h, r: (i, r, h, 0, 0))  # [Gp, D]
+        group = row_layout(s, g)[1]
         part_spec = pl.BlockSpec((None, None, splits, group), lambda i, h, r: (i, h, 0, r))  # [P, Gp]
         out = pl.pallas_call(
-            functools.partial(_merge_kernel, own=s, scale=scale),
-            grid=(b, kvh, rows),
+            functools.partial(_merge_kernel, group=group, keys=keys, scale=d**-0.5),
+            grid=(b, kvh, s),  # the real rows only
             in_specs=[
-                row_spec,
+                _whole(q5.shape),
                 pl.BlockSpec((None, None, splits, group, d), lambda i, h, r: (i, h, 0, r, 0)),  # [P, Gp, D]
                 part_spec,
                 part_spec,
-                own_spec,
-                own_spec,
+                _whole(k.shape),
+                _whole(v.shape),
             ],
-            out_specs=row_spec,
+            out_specs=_whole(out_shape.shape),
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_merge_attention",
             **_triton_params(interpret),
         )(q5, o, m, l, k, v)
-    return out[:, :s, :, :g].reshape(b, s, nh * d)
+    return out.reshape(b, s, nh * d)
