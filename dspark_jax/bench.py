@@ -299,7 +299,10 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
 
     ``elementwise``: a jitted ``x * 2 + 1`` over ``nbytes`` of float32 (bytes read plus
     written); ``copy``: a jitted device copy of the same buffer (read plus written);
-    ``matmul``: an ``n×n×n`` bf16 product on random data.
+    ``matmul``: an ``n×n×n`` bf16 product on random data; ``host``: how long a jitted
+    ``x + 1`` over 8 floats takes from the call to its result being ready (median), and
+    until the call returns: the host's share of every latency, which moves between hosts
+    and runs (so each run's medians can be read against it).
     """
     n = nbytes // 4
     x = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32))(jax.random.key(1))
@@ -313,13 +316,35 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     b = jax.random.normal(kb, (m, m), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
     t_mm = time_call(lambda: matmul(a, b), iters=iters)["pipelined_ms"]
+    host = host_roundtrip(iters=max(100, iters))
     return {
+        "host_roundtrip_ms": host["roundtrip_ms"],
+        "host_dispatch_ms": host["dispatch_ms"],
         "elementwise_bytes_per_s": 2 * nbytes / (t_elem * 1e-3),
         "copy_bytes_per_s": 2 * nbytes / (t_copy * 1e-3),
         "matmul_flops_per_s": 2 * m**3 / (t_mm * 1e-3),
         "buffer_bytes": nbytes,
         "matmul_size": m,
     }
+
+
+def host_roundtrip(*, iters: int) -> dict[str, float]:
+    """Median ms from calling a jitted ``x + 1`` (8 floats) to its result being ready
+    (``roundtrip_ms``) and to the call returning (``dispatch_ms``): a round's latency
+    beyond its device time starts here."""
+    x = jnp.zeros((8,), jnp.float32)
+    trivial = jax.jit(lambda a: a + 1.0)
+    for _ in range(10):
+        jax.block_until_ready(trivial(x))
+    roundtrip, dispatch = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        y = trivial(x)
+        t1 = time.perf_counter()
+        jax.block_until_ready(y)
+        roundtrip.append((time.perf_counter() - t0) * 1e3)
+        dispatch.append((t1 - t0) * 1e3)
+    return {"roundtrip_ms": float(np.median(roundtrip)), "dispatch_ms": float(np.median(dispatch))}
 
 
 def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict[str, Any]:
@@ -786,6 +811,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
             "(floor = max(bytes / elementwise bandwidth, FLOPs / matmul rate); floor_copy uses the copy bandwidth)"
         )
+        if "host_roundtrip_ms" in ceil:
+            lines.append(
+                f"host: a trivial jitted op is ready {ceil['host_roundtrip_ms']:.3f} ms after the call "
+                f"(the call returns after {ceil['host_dispatch_ms']:.3f} ms)"
+            )
     meta = result.get("meta", {})
     if "attention" in meta:
         kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"

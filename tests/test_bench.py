@@ -40,6 +40,8 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     ceil = tiny_result["ceilings"]
     for name in ("elementwise_bytes_per_s", "copy_bytes_per_s", "matmul_flops_per_s"):
         assert ceil[name] > 0
+    # each sample's dispatch is part of its round trip, so the medians keep that order
+    assert 0 < ceil["host_dispatch_ms"] <= ceil["host_roundtrip_ms"]
     e2e = tiny_result["e2e"]
     assert 1.0 <= e2e["tau_measured"] <= 8.0
     for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
@@ -54,6 +56,7 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
 def test_table_has_a_line_per_timed_row(tiny_result):
     table = bench.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
+    assert "host: a trivial jitted op is ready" in table
     kernel = "fused Pallas kernel per step" if _ON_GPU else "XLA"
     assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_RACE=auto)" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
