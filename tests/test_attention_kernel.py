@@ -51,6 +51,7 @@ def _reference(q, ck, cv, k, v, lens, layer):
         (40, [30, 0, 40], 7, 8),  # chunk 32: the last chunk overlaps the one before it; 7 rows padded to 8
         (150, [150, 64, 129], 8, 6),  # 3 chunks of 64 (2 ranges: uneven); boundaries at and past a chunk end; G = 3
         (16, [3, 16, 999], 5, 2),  # smallest capacity; a length past the capacity reads all of it; 16 padded rows
+        (150, [150, 1, 70], 3, 32),  # G = 16: the merging kernel's 16 rows take the own keys as one tile
     ],
 )
 @pytest.mark.parametrize("splits", [None, 1, 2, 99])
