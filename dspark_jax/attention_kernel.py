@@ -161,12 +161,17 @@ def _tile_mask(shape: tuple[int, ...], real: tuple[int, ...]):
     return mask
 
 
+def _row_tile(ref, b, h, rows: int, group: int):
+    """Index and mask of request ``b``'s ``[R, Gp, D]`` tile of KV head ``h`` in a
+    ``[B, S, KVH, G, D]`` ref (the queries, the output): rows ``≥ S`` and heads ``≥ G`` masked."""
+    _, s, _, g, d = ref.shape
+    return (b, pl.ds(0, rows), h, pl.ds(0, group), slice(None)), _tile_mask((rows, group, d), (s, g))
+
+
 def _query_tile(q_ref, b, h, rows: int, group: int) -> jax.Array:
     """Request ``b``'s queries of KV head ``h`` from ``q_ref [B, S, KVH, G, D]`` as ``[M, D]``,
     ``M = R·Gp`` rows ordered ``(r, g)``; rows ``≥ S`` and heads ``≥ G`` are zeros."""
-    _, s, _, g, d = q_ref.shape
-    idx = (b, pl.ds(0, rows), h, pl.ds(0, group), slice(None))
-    return _load(q_ref, idx, _tile_mask((rows, group, d), (s, g))).reshape(rows * group, d)
+    return _load(q_ref, *_row_tile(q_ref, b, h, rows, group)).reshape(rows * group, q_ref.shape[-1])
 
 
 def _walk_context(q, ck_ref, cv_ref, row, prefix, first, last, *, block_c, capacity, scale):
@@ -261,9 +266,8 @@ def _whole_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref, out_
     q = _query_tile(q_ref, b, h, rows, group)
     o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, 0, pl.cdiv(prefix, walk["block_c"]), **walk)
     out = _finish(q, o, m, l, k_ref, v_ref, b, h, keys=keys, scale=walk["scale"])
-    _, s, _, g, d = out_ref.shape
-    idx = (b, pl.ds(0, rows), h, pl.ds(0, group), slice(None))
-    _store(out_ref, idx, out.reshape(rows, group, d).astype(out_ref.dtype), _tile_mask((rows, group, d), (s, g)))
+    idx, mask = _row_tile(out_ref, b, h, rows, group)
+    _store(out_ref, idx, out.reshape(rows, group, -1).astype(out_ref.dtype), mask)
 
 
 def _merge_kernel(q_ref, o_ref, m_ref, l_ref, k_ref, v_ref, out_ref, *, group, keys, scale):
