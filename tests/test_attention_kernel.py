@@ -51,7 +51,6 @@ def _reference(q, ck, cv, k, v, lens, layer):
         (40, [30, 0, 40], 7, 8),  # chunk 32: the last chunk overlaps the one before it; 7 rows padded to 8
         (150, [150, 64, 129], 8, 6),  # 3 chunks of 64 (2 ranges: uneven); boundaries at and past a chunk end; G = 3
         (16, [3, 16, 999], 5, 2),  # smallest capacity; a length past the capacity reads all of it; 16 padded rows
-        (150, [150, 1, 70], 3, 32),  # G = 16: the merging kernel's 16 rows take the own keys as one tile
     ],
 )
 @pytest.mark.parametrize("splits", [None, 1, 2, 99])
@@ -70,6 +69,17 @@ def test_attend_block_matches_numpy(capacity, lens, rows, heads, splits):
         want = _reference(q, ck, cv, k, v, np.minimum(np.asarray(lens), capacity), layer)
         rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
         assert rel < 1e-5, (layer, rel)
+
+
+def test_merging_kernel_with_a_tile_of_heads_matches_numpy():
+    """G = 16 query heads per KV head: the merging kernel's 16 rows take the own keys as one
+    tensor-core tile (fewer rows read them one by one)."""
+    q, ck, cv, k, v = _inputs(3, layers=1, batch=3, rows=3, heads=32, kv_heads=2, dim=16, capacity=150)
+    lens = jnp.asarray([150, 1, 70], jnp.int32)
+    got = attend_block(q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=0, interpret=True, splits=2)
+    want = _reference(q, ck, cv, k, v, np.asarray(lens), 0)
+    rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel
 
 
 def test_num_splits_fills_the_gpu_at_small_batches():
