@@ -316,9 +316,11 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     b = jax.random.normal(kb, (m, m), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
     t_mm = time_call(lambda: matmul(a, b), iters=iters)["pipelined_ms"]
-    host = host_roundtrip(iters=max(100, iters))
+    tiny = jnp.zeros((8,), jnp.float32)
+    trivial = jax.jit(lambda t: t + 1.0)
+    host = time_call(lambda: trivial(tiny), iters=max(100, iters))
     return {
-        "host_roundtrip_ms": host["roundtrip_ms"],
+        "host_roundtrip_ms": host["median_ms"],
         "host_dispatch_ms": host["dispatch_ms"],
         "elementwise_bytes_per_s": 2 * nbytes / (t_elem * 1e-3),
         "copy_bytes_per_s": 2 * nbytes / (t_copy * 1e-3),
@@ -326,25 +328,6 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
         "buffer_bytes": nbytes,
         "matmul_size": m,
     }
-
-
-def host_roundtrip(*, iters: int) -> dict[str, float]:
-    """Median ms from calling a jitted ``x + 1`` (8 floats) to its result being ready
-    (``roundtrip_ms``) and to the call returning (``dispatch_ms``): a round's latency
-    beyond its device time starts here."""
-    x = jnp.zeros((8,), jnp.float32)
-    trivial = jax.jit(lambda a: a + 1.0)
-    for _ in range(10):
-        jax.block_until_ready(trivial(x))
-    roundtrip, dispatch = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        y = trivial(x)
-        t1 = time.perf_counter()
-        jax.block_until_ready(y)
-        roundtrip.append((time.perf_counter() - t0) * 1e3)
-        dispatch.append((t1 - t0) * 1e3)
-    return {"roundtrip_ms": float(np.median(roundtrip)), "dispatch_ms": float(np.median(dispatch))}
 
 
 def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict[str, Any]:
