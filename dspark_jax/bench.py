@@ -542,6 +542,8 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
         "buckets": buckets,
         "rest_seconds": rest,
         "total_seconds": time.perf_counter() - t_all,
+        # programs loaded from / saved to the executable store (traced, lowered and compiled: none / all)
+        "store": None if proposer._store is None else {"hits": proposer._store.hits, "saves": proposer._store.saves},
         "gate": {
             "closed_form_bytes": gate.closed_form_bytes,
             "compiled_bytes": gate.compiled_bytes,
@@ -564,7 +566,8 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
 
 
 def bench_compile(shapes: BenchShapes, max_batch: int, cache_dir: str, workers: int = 1) -> dict[str, Any]:
-    """Precompile time of every bucket and mode, cold and from the persistent cache.
+    """Precompile time of every bucket and mode, cold and from the persistent cache (jax's
+    and, inside it, the :class:`~dspark_jax.executable_store.ExecutableStore`).
 
     Runs :func:`_compile_worker` twice in fresh subprocesses sharing the persistent
     compilation cache ``cache_dir`` (empty at the start): the first run fills it, the
@@ -851,9 +854,11 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{b['batch']}{'s' if b['fold_sampling'] else 'g'} {b['seconds']:.1f}" for b in c["buckets"]
                 )
                 per = f"per bucket, s = sampling folded, g = greedy-only: {per}; the rest" if per else "precompile()"
+                store = c.get("store")
+                store = f"; executable store: {store['hits']} loaded, {store['saves']} saved" if store else ""
                 lines.append(
                     f"precompile ({run}, {c.get('workers', 1)} worker(s)): {c['total_seconds']:.1f} s "
-                    f"(process {c['process_seconds']:.1f} s); {per} {c['rest_seconds']:.1f} s"
+                    f"(process {c['process_seconds']:.1f} s); {per} {c['rest_seconds']:.1f} s{store}"
                 )
         mem = comp.get("cached", {}).get("memory")
         if mem and mem.get("sampling_extra_bytes") is not None:

@@ -37,7 +37,11 @@ Persistent compilation cache (survives restarts; set it before the first compile
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 With it, a restarted server's ``precompile()`` loads executables instead of compiling
-them (:class:`CompileCounter` reports those loads as ``cache_hits``).
+them. jax still traces and lowers a program to look it up in that cache, so the Proposer
+also keeps its compiled programs in an :class:`~dspark_jax.executable_store.ExecutableStore`
+(by default the ``dspark_jax`` folder of that directory), keyed without tracing: a restart
+loads them back with no tracing, lowering or compiling (:class:`CompileCounter` counts
+nothing; the store's ``hits`` count them).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from flax import nnx
 
 from dspark_jax.cache import ContextCache
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.memory_gate import (
     ENV_VAR,
     GIB,
@@ -193,6 +198,11 @@ def _unpad(rows, block):
     return jax.tree.map(lambda x: x[:rows], block)
 
 
+def _leaves_name(name: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A round program's name → the name of the draft leaves it reads (shared by buckets)."""
+    return ("piece", *name[2:]) if name[0] == "piece" else ("head", name[2])
+
+
 class Proposer:
     """Drafts batches of any size up to ``max_batch`` with precompiled executables.
 
@@ -217,6 +227,7 @@ class Proposer:
         headroom: int = GIB,
         unpad: bool = True,
         twin_programs: bool | None = None,
+        executable_store: str | os.PathLike[str] | bool | None = None,
     ):
         """Splits the draft and plans the gate (closed form; refined by ``precompile``).
 
@@ -235,7 +246,23 @@ class Proposer:
           twin_programs: keep a twin of every round program and call the two in turn
             (:class:`~dspark_jax.split_round.Alternating`: no CUDA-graph update while the
             caller holds the previous block). Default: on GPU backends.
+          executable_store: a directory where compiled programs are saved and loaded back
+            without tracing or lowering (:mod:`dspark_jax.executable_store`); None (default)
+            uses ``dspark_jax`` inside jax's persistent compilation cache directory when
+            that is set at the first compile; False keeps none.
+
+        Raises:
+          ValueError: bad ``capacity`` or ``num_slots``.
+          TypeError: ``executable_store`` is not a path, None or False.
         """
+        if executable_store is True or not (
+            executable_store is None or executable_store is False or isinstance(executable_store, str | os.PathLike)
+        ):
+            raise TypeError(
+                f"executable_store={executable_store!r} is invalid: must be a directory path, None (follow jax's "
+                "compilation cache directory) or False (none)"
+            )
+        self._store_directory = executable_store
         self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
         self.cfg = draft.cfg
         self.buckets = batch_buckets(max_batch)
@@ -297,36 +324,84 @@ class Proposer:
         cache = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype)
         return ContextCache(k=cache, v=cache)
 
-    def _jobs(self, bucket: int, sampling: bool) -> dict[tuple[Any, ...], jax.stages.Lowered]:
-        """The programs a (bucket, mode) round needs and does not have yet, lowered.
+    @functools.cached_property
+    def _store(self) -> ExecutableStore | None:
+        """The executable store, resolved at the first compile (see ``executable_store``)."""
+        directory = default_directory() if self._store_directory is None else self._store_directory
+        return None if directory is None or directory is False else ExecutableStore(directory)
+
+    @functools.cached_property
+    def _store_parts(self) -> tuple[Any, ...]:
+        """What every program of this Proposer depends on besides its name (store keys)."""
+        leaves = tuple((x.shape, str(x.dtype), getattr(x, "weak_type", False)) for x in self._split.leaves)
+        state = repr(jax.tree.structure(self.state))
+        return repr(self.cfg), self.cache_shape, str(self.cache_dtype), repr(self._key_spec), state, leaves
+
+    def _load(self, name: tuple[Any, ...]) -> jax.stages.Compiled | Alternating | None:
+        """The program ``name`` from the executable store (an :class:`Alternating` for round
+        programs, whose leaves it also sets), or None."""
+        if self._store is None:
+            return None
+        slicer = name[0] == "slicer"
+        copies = 2 if self.twin_programs and not slicer else 1
+        got = self._store.load(self._store.key(name, self._store_parts), copies=copies)
+        if got is None:
+            return None
+        programs, kept = got
+        if slicer:
+            return programs[0]
+        self._sub_leaves[_leaves_name(name)] = [self._split.leaves[i] for i in kept]
+        return Alternating(programs[0], twin=programs[1] if self.twin_programs else False)
+
+    def _install(self, name: tuple[Any, ...], compiled: jax.stages.Compiled) -> None:
+        """Keeps a freshly compiled program (and saves it in the executable store)."""
+        slicer = name[0] == "slicer"
+        if self._store is not None:
+            kept = None if slicer else self._split.kept(_leaves_name(name))
+            self._store.save(self._store.key(name, self._store_parts), compiled, extra=kept)
+        if slicer:
+            self._slicers[name[1], name[3]] = compiled
+        else:
+            self._programs[name] = Alternating(compiled, twin=self.twin_programs)
+
+    def _jobs(
+        self, bucket: int, sampling: bool, jobs: dict[tuple[Any, ...], jax.stages.Lowered] | None = None
+    ) -> dict[tuple[Any, ...], jax.stages.Lowered]:
+        """Adds to ``jobs`` the programs a (bucket, mode) round needs, has not and ``jobs``
+        does not hold yet, lowered; returns ``jobs`` (a new dict when None).
 
         A round is the backbone pieces of :class:`~dspark_jax.split_round.SplitRound`
-        (shared by both modes) and the mode's head.
+        (shared by both modes) and the mode's head. Programs found in the executable store
+        are installed instead (not lowered).
         """
-        cfg, jobs = self.cfg, {}
+        cfg, jobs = self.cfg, {} if jobs is None else jobs
         hidden = jax.ShapeDtypeStruct((bucket, cfg.num_query_rows, cfg.hidden_size), cfg.jnp_dtype)
-        for start, stop in self._split.ranges:
-            name = ("piece", bucket, start, stop)
-            if name not in self._programs:
+        names = [("piece", bucket, start, stop) for start, stop in self._split.ranges] + [("head", bucket, sampling)]
+        for name in names:
+            if name in self._programs or name in jobs:
+                continue
+            loaded = self._load(name)
+            if loaded is not None:
+                self._programs[name] = loaded
+                continue
+            if name[0] == "piece":
+                start, stop = name[2:]
                 fn = functools.partial(_backbone_piece, self._split, start, stop)
-                x = None if start == 0 else hidden
-                args = (x, self._cache_spec(), self._packed_spec(bucket))
-                fn, self._sub_leaves["piece", start, stop] = self._split.pruned(("piece", start, stop), fn, *args)
-                jobs[name] = jax.jit(fn).lower(self._sub_leaves["piece", start, stop], *args)
-        name = ("head", bucket, sampling)
-        if name not in self._programs:
-            fn = functools.partial(_head_piece, self._split, sampling)
-            args = (hidden, self._packed_spec(bucket), self._key_spec)
-            fn, self._sub_leaves["head", sampling] = self._split.pruned(("head", sampling), fn, *args)
-            jobs[name] = jax.jit(fn).lower(self._sub_leaves["head", sampling], *args)
+                args = (None if start == 0 else hidden, self._cache_spec(), self._packed_spec(bucket))
+            else:
+                fn = functools.partial(_head_piece, self._split, sampling)
+                args = (hidden, self._packed_spec(bucket), self._key_spec)
+            fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
+            self._sub_leaves[_leaves_name(name)] = sub
+            jobs[name] = jax.jit(fn).lower(sub, *args)
         return jobs
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
-        """Compiles what the (bucket, mode) round still lacks."""
-        self._compile_many(self._jobs(bucket, sampling), self._programs, 1, self._alternating)
+        """Compiles (or loads) what the (bucket, mode) round still lacks."""
+        self._compile_many(self._jobs(bucket, sampling), 1)
 
-    def _alternating(self, compiled: jax.stages.Compiled) -> Alternating:
-        return Alternating(compiled, twin=self.twin_programs)
+    def _slicer_name(self, rows: int, sampling: bool) -> tuple[Any, ...]:
+        return ("slicer", rows, self.bucket(rows), sampling)
 
     def _lower_slicer(self, rows: int, sampling: bool) -> jax.stages.Lowered:
         bucket, cfg = self.bucket(rows), self.cfg
@@ -340,29 +415,32 @@ class Proposer:
         )
         return jax.jit(functools.partial(_unpad, rows)).lower(block)
 
+    def _slicer_jobs(self, rows: int, sampling: bool) -> dict[tuple[Any, ...], jax.stages.Lowered]:
+        """The slicer to ``rows`` rows, lowered, unless it is compiled or in the store."""
+        if (rows, sampling) in self._slicers:
+            return {}
+        name = self._slicer_name(rows, sampling)
+        loaded = self._load(name)
+        if loaded is not None:
+            self._slicers[rows, sampling] = loaded
+            return {}
+        return {name: self._lower_slicer(rows, sampling)}
+
     def _compile_slicer(self, rows: int, sampling: bool) -> jax.stages.Compiled:
-        if (rows, sampling) not in self._slicers:
-            self._slicers[rows, sampling] = self._lower_slicer(rows, sampling).compile()
+        self._compile_many(self._slicer_jobs(rows, sampling), 1)
         return self._slicers[rows, sampling]
 
-    @staticmethod
-    def _compile_many(
-        jobs: dict[Any, jax.stages.Lowered], store: dict[Any, Any], workers: int, finish: Any = None
-    ) -> None:
-        """Compiles lowered programs into ``store``, up to ``workers`` at a time (XLA
-        compiles outside the GIL; lowering already happened on this thread); ``finish``
-        (if given) maps each compiled program to what is stored."""
-
-        def build(lowered: jax.stages.Lowered) -> Any:
-            compiled = lowered.compile()
-            return compiled if finish is None else finish(compiled)
-
+    def _compile_many(self, jobs: dict[tuple[Any, ...], jax.stages.Lowered], workers: int) -> None:
+        """Compiles lowered programs, up to ``workers`` at a time (XLA compiles outside the
+        GIL; lowering already happened on this thread), and installs them (:meth:`_install`)."""
         if workers <= 1 or len(jobs) <= 1:
-            store.update({name: build(lowered) for name, lowered in jobs.items()})
+            for name, lowered in jobs.items():
+                self._install(name, lowered.compile())
             return
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {name: pool.submit(build, lowered) for name, lowered in jobs.items()}
-            store.update({name: future.result() for name, future in futures.items()})
+            futures = {name: pool.submit(lowered.compile) for name, lowered in jobs.items()}
+            for name, future in futures.items():
+                self._install(name, future.result())
 
     def _warm_eager(self, bucket: int) -> None:
         """Compiles the eager path at ``bucket``: its input gather ahead of time, and its
@@ -395,6 +473,9 @@ class Proposer:
     def precompile(self, *, workers: int | None = None) -> GateDecision:
         """Compiles every (bucket, mode) and the slicers; decides the gate with XLA's numbers.
 
+        Programs already in the executable store (see ``executable_store``) are loaded
+        instead, and the ones compiled here are saved there.
+
         First every bucket's backbone pieces and greedy-only head, together with — unless the
         gate is already closed (OFF, or AUTO short of memory by the closed form) — the
         sampling head at ``max_batch``, whose memory analysis (minus the greedy-only head's)
@@ -416,12 +497,12 @@ class Proposer:
         top = self.buckets[-1]
         jobs = {}
         for bucket in self.buckets:
-            jobs.update(self._jobs(bucket, False))
+            self._jobs(bucket, False, jobs)
         # The gate compares the larger estimate, so XLA's can only matter when the closed form fits.
         measure = self.gate.mode is FoldedSampling.FORCE or self.gate.enabled
         if measure:
-            jobs.update(self._jobs(top, True))
-        self._compile_many(jobs, self._programs, workers, self._alternating)
+            self._jobs(top, True, jobs)
+        self._compile_many(jobs, workers)
         if measure:
             # The backbone pieces are shared: the heads alone differ between the modes.
             heads = self._programs["head", top, True].compiled, self._programs["head", top, False].compiled
@@ -432,15 +513,11 @@ class Proposer:
         jobs = {}
         if self.gate.enabled:
             for bucket in self.buckets:
-                jobs.update(self._jobs(bucket, True))
-        slicers = {
-            (rows, sampling): self._lower_slicer(rows, sampling)
-            for rows in range(1, self.max_batch + 1)
-            for sampling in (False, True)
-            if self.unpad and rows != self.bucket(rows) and (rows, sampling) not in self._slicers
-        }
-        self._compile_many(jobs, self._programs, workers, self._alternating)
-        self._compile_many(slicers, self._slicers, workers)
+                self._jobs(bucket, True, jobs)
+        for rows in range(1, self.max_batch + 1) if self.unpad else ():
+            for sampling in (False, True) if rows != self.bucket(rows) else ():
+                jobs.update(self._slicer_jobs(rows, sampling))
+        self._compile_many(jobs, workers)
         if not self.gate.enabled:
             for bucket in self.buckets:
                 self._warm_eager(bucket)

@@ -70,14 +70,18 @@ class Alternating:
 
     __slots__ = ("_programs", "_next")
 
-    def __init__(self, compiled: jax.stages.Compiled, *, twin: bool = True):
+    def __init__(self, compiled: jax.stages.Compiled, *, twin: bool | jax.stages.Compiled = True):
         """Loads the twin (unless ``twin`` is False).
 
         Args:
           compiled: the program.
-          twin: False keeps the one program (every call runs it).
+          twin: True loads a twin of ``compiled`` (:func:`twin_program`); a compiled
+            program is taken as the twin (one loaded from the same serialized executable);
+            False keeps the one program (every call runs it).
         """
-        self._programs = (compiled, twin_program(compiled)) if twin else (compiled,)
+        if twin is True:
+            twin = twin_program(compiled)
+        self._programs = (compiled, twin) if twin is not False else (compiled,)
         self._next = 0
 
     @property
@@ -162,6 +166,10 @@ class SplitRound:
 
     def _draft(self, leaves: list[jax.Array]) -> DSparkDraft:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
+
+    def kept(self, name: Any) -> tuple[int, ...]:
+        """Indices of the leaves that the piece ``name`` reads (found by :meth:`pruned`)."""
+        return self._kept[name]
 
     def pruned(self, name: Any, fn: Any, *args: Any) -> tuple[Any, list[jax.Array]]:
         """``fn(leaves, *args)`` as a function of the leaves it reads only.

@@ -1,0 +1,175 @@
+"""Compiled programs kept on disk and loaded back without tracing or lowering.
+
+jax's persistent compilation cache saves XLA's compile, not jax's own work: its key hashes
+the lowered program, so a restarted server's precompile still traces and lowers every
+program before it can look one up. On a 2-core CPU (tiny draft, ``max_batch`` 128, a warm
+cache: 7.8 s) that tracing and lowering were about 85 % of the time, loading the rest.
+
+An :class:`ExecutableStore` keys a program by what determines it before any tracing, and
+keeps the serialized executable (:func:`jax.experimental.serialize_executable.serialize`)
+under that key, one file per program. The key (:meth:`ExecutableStore.key`) hashes:
+
+* the source of every module of this package (a changed line changes every key);
+* the versions of Python, NumPy, jax, jaxlib and flax;
+* the backend, its platform version and every device's kind;
+* jax's configuration (all options but the compilation cache's own) and the environment
+  variables that reach XLA, jax or this package (``XLA_*``, ``JAX_*``, ``DSPARK_*``);
+* what the caller passes: the program's name and the shapes and dtypes of its arguments.
+
+A file that cannot be read or loaded is reported once (``RuntimeWarning``) and treated as
+missing: the program is compiled again and the file replaced. Loading runs code from the
+files, so the directory must be as trusted as jax's own cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+_ENV_PREFIXES = ("XLA_", "JAX_", "DSPARK_")
+_SUFFIX = ".dsx"
+_PACKAGE = Path(__file__).resolve().parent
+_source_digest: str | None = None
+
+
+def _package_source() -> str:
+    """sha256 of this package's Python sources (read once per process)."""
+    global _source_digest
+    if _source_digest is None:
+        digest = hashlib.sha256()
+        for path in sorted(_PACKAGE.rglob("*.py")):
+            digest.update(str(path.relative_to(_PACKAGE)).encode())
+            digest.update(path.read_bytes())
+        _source_digest = digest.hexdigest()
+    return _source_digest
+
+
+def environment() -> tuple[Any, ...]:
+    """Everything outside a program's arguments that may change what jax builds for it."""
+    config = tuple(
+        (name, repr(value))
+        for name, value in sorted(jax.config.values.items())
+        if "compilation_cache" not in name and "persistent_cache" not in name
+    )
+    env = tuple(
+        (name, value)
+        for name, value in sorted(os.environ.items())
+        if name.startswith(_ENV_PREFIXES) and name != "JAX_COMPILATION_CACHE_DIR"
+    )
+    devices = jax.devices()
+    return (
+        _package_source(),
+        platform.python_version(),
+        np.__version__,
+        jax.__version__,
+        jaxlib.__version__,
+        flax.__version__,
+        jax.default_backend(),
+        devices[0].client.platform_version,
+        tuple(d.device_kind for d in devices),
+        config,
+        env,
+    )
+
+
+def default_directory() -> str | None:
+    """``dspark_jax`` inside jax's persistent compilation cache directory, when that is set and enabled."""
+    base = jax.config.jax_compilation_cache_dir
+    if not base or not jax.config.jax_enable_compilation_cache:
+        return None
+    return os.path.join(base, "dspark_jax")
+
+
+class ExecutableStore:
+    """Serialized compiled programs in a directory, one file per key.
+
+    Example::
+
+        store = ExecutableStore("/path/to/store")
+        key = store.key("head", 8, sampling)          # anything with a stable repr
+        got = store.load(key, copies=2)               # None, or ([compiled, compiled], extra)
+        if got is None:
+            compiled = jax.jit(fn).lower(*args).compile()
+            store.save(key, compiled, extra=kept)
+
+    Attributes:
+      directory: where the files are.
+      hits, misses, saves: counts of :meth:`load` results and :meth:`save` writes.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        """Creates ``directory`` if needed.
+
+        Raises:
+          ValueError: ``directory`` exists and is not a directory.
+        """
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"executable store directory={str(self.directory)!r} is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = self.saves = 0
+        self._warned = False
+
+    def key(self, *parts: Any) -> str:
+        """The hex key of a program: ``parts`` (its name and argument shapes, by ``repr``)
+        together with :func:`environment`."""
+        return hashlib.sha256(repr((environment(), parts)).encode()).hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}{_SUFFIX}"
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"dspark_jax executable store: {message}", RuntimeWarning, stacklevel=3)
+
+    def load(self, key: str, *, copies: int = 1) -> tuple[list[jax.stages.Compiled], Any] | None:
+        """Loads the program under ``key``.
+
+        Args:
+          key: from :meth:`key`.
+          copies: independent executables loaded from the file (each its own state, e.g.
+            its own CUDA graph; see :class:`~dspark_jax.split_round.Alternating`).
+
+        Returns:
+          ``(programs, extra)``, or None when there is no such file or it cannot be loaded.
+        """
+        path = self._path(key)
+        if not path.exists():
+            self.misses += 1
+            return None
+        try:
+            payload, in_tree, out_tree, extra = pickle.loads(path.read_bytes())
+            programs = [deserialize_and_load(payload, in_tree, out_tree) for _ in range(copies)]
+        except Exception as err:  # noqa: BLE001 - any unreadable file is a miss: compile again
+            self._warn(f"{path} could not be loaded ({err!r}); compiling the program again")
+            self.misses += 1
+            return None
+        self.hits += 1
+        return programs, extra
+
+    def save(self, key: str, compiled: jax.stages.Compiled, *, extra: Any = None) -> None:
+        """Writes ``compiled`` (and the picklable ``extra``) under ``key``; atomic (a
+        temporary file renamed), so a concurrent reader sees the old file or the new one."""
+        try:
+            payload, in_tree, out_tree = serialize(compiled)
+            data = pickle.dumps((payload, in_tree, out_tree, extra))
+            with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as tmp:
+                tmp.write(data)
+            os.replace(tmp.name, self._path(key))
+        except Exception as err:  # noqa: BLE001 - the store only saves time: serving goes on without it
+            self._warn(f"could not save a program in {self.directory} ({err!r})")
+            return
+        self.saves += 1

@@ -1,0 +1,166 @@
+"""Executable store: a restarted Proposer loads its programs without tracing, lowering or compiling."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from draft_testing import random_draft, tiny_config
+from test_proposer import CAPACITY, CFG, SLOTS, make_cache, random_call
+
+from dspark_jax import executable_store
+from dspark_jax.executable_store import ExecutableStore, default_directory
+from dspark_jax.proposer import CompileCounter, Proposer
+
+# max_batch 4: buckets 1, 2, 4, two backbone pieces and two heads each, and the slicers to
+# 3 rows (greedy and sampling).
+PROGRAMS = 3 * (2 + 2) + 2
+
+
+def make_proposer(draft, directory, **kwargs):
+    kwargs = {**dict(max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force"), **kwargs}
+    return Proposer(draft, twin_programs=True, executable_store=directory, **kwargs)
+
+
+def draft_calls(proposer, cache, seed):
+    """Blocks of a greedy and a mixed call at 3 rows (bucket 4, unpadded) and 2 rows."""
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for rows, greedy in ((3, True), (3, False), (2, False)):
+        args = random_call(rng, proposer.cfg.vocab_size, rows)
+        if greedy:
+            args["temperatures"] = np.zeros(rows, np.float32)
+        blocks.append(proposer(cache, **args, key=jax.random.key(seed)))
+    return [jax.tree.map(np.asarray, b) for b in blocks]
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A store filled by one precompile, with that Proposer's blocks."""
+    directory = tmp_path_factory.mktemp("store")
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    cache = make_cache(draft)
+    proposer = make_proposer(draft, directory)
+    proposer.precompile(workers=2)
+    return draft, cache, directory, proposer
+
+
+def assert_same_blocks(got, expected):
+    for a, b in zip(got, expected, strict=True):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_restarted_proposer_loads_every_program_and_drafts_the_same_blocks(filled):
+    draft, cache, directory, first = filled
+    assert first._store.saves == PROGRAMS and first._store.hits == 0
+    assert len(list(directory.glob("*.dsx"))) == PROGRAMS
+    second = make_proposer(draft, directory)
+    with CompileCounter() as counter:
+        second.precompile(workers=2)
+        blocks = draft_calls(second, cache, seed=3)
+    assert counter.count == 0 and counter.lowerings == 0
+    assert second._store.hits == PROGRAMS and second._store.saves == 0
+    # memory analysis works on loaded programs: the gate's refinement is the same
+    assert second.gate.compiled_bytes == first.gate.compiled_bytes and second.gate.enabled
+    assert_same_blocks(blocks, draft_calls(first, cache, seed=3))
+    assert any(not b.greedy_mask.all() for b in blocks)  # a sampling head ran
+
+
+def copy_store(directory, tmp_path):
+    copy = tmp_path / "store"
+    copy.mkdir()
+    for path in directory.glob("*.dsx"):
+        (copy / path.name).write_bytes(path.read_bytes())
+    return copy
+
+
+def test_a_different_shape_misses_the_store_and_compiles(filled, tmp_path):
+    draft, _, directory, _ = filled
+    copy = copy_store(directory, tmp_path)
+    other = make_proposer(draft, copy, capacity=CAPACITY + 4)  # other cache shape: every piece
+    with CompileCounter() as counter:
+        other._compile_folded(1, False)
+    assert other._store.hits == 0 and counter.count == 2 + 1
+
+
+def test_key_depends_on_parts_environment_and_configuration(monkeypatch, tmp_path):
+    store = ExecutableStore(tmp_path)
+    base = store.key("head", 4, True)
+    assert store.key("head", 4, True) == base
+    assert store.key("head", 8, True) != base
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    flagged = store.key("head", 4, True)
+    assert flagged != base
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))  # where caches live is no part of it
+    assert store.key("head", 4, True) == flagged
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    previous = jax.config.jax_default_matmul_precision  # "highest" (conftest)
+    jax.config.update("jax_default_matmul_precision", "bfloat16")
+    try:
+        assert store.key("head", 4, True) != base
+    finally:
+        jax.config.update("jax_default_matmul_precision", previous)
+    assert store.key("head", 4, True) == base
+
+
+def test_unreadable_files_warn_compile_again_and_are_replaced(filled, tmp_path):
+    draft, cache, directory, first = filled
+    copy = copy_store(directory, tmp_path)
+    files = sorted(directory.glob("*.dsx"))
+    assert len(files) == PROGRAMS
+    (copy / files[0].name).write_bytes(b"not a program")
+    (copy / files[1].name).write_bytes(files[1].read_bytes()[:-100])  # truncated
+    proposer = make_proposer(draft, copy)
+    with pytest.warns(RuntimeWarning, match=r"could not be loaded"):
+        proposer.precompile(workers=1)
+    assert proposer._store.hits == PROGRAMS - 2 and proposer._store.saves == 2
+    assert_same_blocks(draft_calls(proposer, cache, seed=4), draft_calls(first, cache, seed=4))
+    again = make_proposer(draft, copy)
+    again.precompile(workers=1)
+    assert again._store.hits == PROGRAMS
+
+
+def test_a_failed_save_warns_and_serving_goes_on(monkeypatch, tmp_path):
+    def refuse(compiled):
+        raise ValueError("Compilation does not support serialization")
+
+    monkeypatch.setattr(executable_store, "serialize", refuse)
+    store = ExecutableStore(tmp_path)
+    compiled = jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32)).compile()
+    with pytest.warns(RuntimeWarning, match=r"could not save a program"):
+        store.save(store.key("x"), compiled)
+    assert store.saves == 0 and not list(tmp_path.iterdir())
+    assert store.load(store.key("x")) is None and store.misses == 1
+
+
+def test_default_directory_follows_jax_compilation_cache(tmp_path):
+    previous = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        assert default_directory() == os.path.join(str(tmp_path), "dspark_jax")
+        jax.config.update("jax_enable_compilation_cache", False)
+        assert default_directory() is None
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert default_directory() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_enable_compilation_cache", previous[1])
+
+
+@pytest.mark.parametrize("value", [True, 3, ["dir"]])
+def test_bad_executable_store_argument_raises(value):
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    with pytest.raises(TypeError, match=r"executable_store=.* is invalid: must be a directory path"):
+        Proposer(draft, max_batch=2, capacity=CAPACITY, executable_store=value)
+
+
+def test_store_directory_must_be_a_directory(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match=r"directory=.*file' is not a directory"):
+        ExecutableStore(path)
