@@ -10,20 +10,25 @@ keeps the serialized executable (:func:`jax.experimental.serialize_executable.se
 under that key, one file per program. The key (:meth:`ExecutableStore.key`) hashes:
 
 * the source of every module of this package (a changed line changes every key);
-* the versions of Python, NumPy, jax, jaxlib and flax;
+* the versions of Python, NumPy, jax, jaxlib and flax, and of the installed jax plugins and
+  NVIDIA libraries;
 * the backend, its platform version and every device's kind;
 * jax's configuration (all options but the compilation cache's own) and the environment
   variables that reach XLA, jax or this package (``XLA_*``, ``JAX_*``, ``DSPARK_*``);
 * what the caller passes: the program's name and the shapes and dtypes of its arguments.
 
 A file that cannot be read or loaded is reported once (``RuntimeWarning``) and treated as
-missing: the program is compiled again and the file replaced. Loading runs code from the
-files, so the directory must be as trusted as jax's own cache.
+missing: the program is compiled again and the file replaced. Nothing is evicted: every
+change of the key (a new version of this package, say) writes a new set of files, and
+deleting the directory clears it. Loading runs code from the files, so the directory must
+be as trusted as jax's own cache.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import os
 import pickle
 import platform
@@ -39,21 +44,28 @@ import numpy as np
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 _ENV_PREFIXES = ("XLA_", "JAX_", "DSPARK_")
+# installed distributions whose versions can change a compiled program (jax's CUDA/TPU plugins,
+# the NVIDIA libraries XLA loads)
+_DIST_PREFIXES = ("jax", "flax", "numpy", "ml-dtypes", "ml_dtypes", "libtpu", "nvidia-")
 _SUFFIX = ".dsx"
 _PACKAGE = Path(__file__).resolve().parent
-_source_digest: str | None = None
 
 
-def _package_source() -> str:
-    """sha256 of this package's Python sources (read once per process)."""
-    global _source_digest
-    if _source_digest is None:
-        digest = hashlib.sha256()
-        for path in sorted(_PACKAGE.rglob("*.py")):
-            digest.update(str(path.relative_to(_PACKAGE)).encode())
-            digest.update(path.read_bytes())
-        _source_digest = digest.hexdigest()
-    return _source_digest
+@functools.cache
+def _installed() -> tuple[Any, ...]:
+    """This package's source digest, Python's version and the relevant distributions' versions
+    (read once per process: none of them changes under a running process)."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    dists = sorted(
+        (d.metadata["Name"].lower(), d.version)
+        for d in importlib.metadata.distributions()
+        if (d.metadata["Name"] or "").lower().startswith(_DIST_PREFIXES)
+    )
+    versions = (np.__version__, jax.__version__, jaxlib.__version__, flax.__version__)
+    return digest.hexdigest(), platform.python_version(), versions, tuple(dists)
 
 
 def environment() -> tuple[Any, ...]:
@@ -69,19 +81,8 @@ def environment() -> tuple[Any, ...]:
         if name.startswith(_ENV_PREFIXES) and name != "JAX_COMPILATION_CACHE_DIR"
     )
     devices = jax.devices()
-    return (
-        _package_source(),
-        platform.python_version(),
-        np.__version__,
-        jax.__version__,
-        jaxlib.__version__,
-        flax.__version__,
-        jax.default_backend(),
-        devices[0].client.platform_version,
-        tuple(d.device_kind for d in devices),
-        config,
-        env,
-    )
+    backend = (jax.default_backend(), devices[0].client.platform_version, tuple(d.device_kind for d in devices))
+    return _installed(), backend, config, env
 
 
 def default_directory() -> str | None:
