@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from draft_testing import random_draft, tiny_config
-from test_proposer import CAPACITY, CFG, SLOTS, make_cache, random_call
+from proposer_testing import CAPACITY, CFG, forced_proposer, random_call
 
 from dspark_jax import executable_store
 from dspark_jax.executable_store import ExecutableStore, default_directory
@@ -17,11 +17,6 @@ from dspark_jax.proposer import CompileCounter, Proposer
 # max_batch 4: buckets 1, 2, 4, two backbone pieces and two heads each, and the slicers to
 # 3 rows (greedy and sampling).
 PROGRAMS = 3 * (2 + 2) + 2
-
-
-def make_proposer(draft, directory, **kwargs):
-    kwargs = {**dict(max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force"), **kwargs}
-    return Proposer(draft, twin_programs=True, executable_store=directory, **kwargs)
 
 
 def draft_calls(proposer, cache, seed):
@@ -37,14 +32,11 @@ def draft_calls(proposer, cache, seed):
 
 
 @pytest.fixture(scope="module")
-def filled(tmp_path_factory):
-    """A store filled by one precompile, with that Proposer's blocks."""
-    directory = tmp_path_factory.mktemp("store")
-    draft = random_draft(tiny_config(**CFG), seed=0)
-    cache = make_cache(draft)
-    proposer = make_proposer(draft, directory)
-    proposer.precompile(workers=2)
-    return draft, cache, directory, proposer
+def filled(forced_session):
+    """``(draft, cache, store, proposer)``: the session's FORCE proposer filled ``store`` when
+    it precompiled (``conftest.py``)."""
+    draft, proposer, cache, store = forced_session
+    return draft, cache, store, proposer
 
 
 def assert_same_blocks(got, expected):
@@ -57,7 +49,7 @@ def test_restarted_proposer_loads_every_program_and_drafts_the_same_blocks(fille
     draft, cache, directory, first = filled
     assert first._store.saves == PROGRAMS and first._store.hits == 0
     assert len(list(directory.glob("*.dsx"))) == PROGRAMS
-    second = make_proposer(draft, directory)
+    second = forced_proposer(draft, directory)
     with CompileCounter() as counter:
         second.precompile(workers=2)
         blocks = draft_calls(second, cache, seed=3)
@@ -80,7 +72,7 @@ def copy_store(directory, tmp_path):
 def test_a_different_shape_misses_the_store_and_compiles(filled, tmp_path):
     draft, _, directory, _ = filled
     copy = copy_store(directory, tmp_path)
-    other = make_proposer(draft, copy, capacity=CAPACITY + 4)  # other cache shape: every piece
+    other = forced_proposer(draft, copy, capacity=CAPACITY + 4)  # other cache shape: every piece
     with CompileCounter() as counter:
         other._compile_folded(1, False)
     assert other._store.hits == 0 and counter.count == 2 + 1
@@ -114,12 +106,12 @@ def test_unreadable_files_warn_compile_again_and_are_replaced(filled, tmp_path):
     assert len(files) == PROGRAMS
     (copy / files[0].name).write_bytes(b"not a program")
     (copy / files[1].name).write_bytes(files[1].read_bytes()[:-100])  # truncated
-    proposer = make_proposer(draft, copy)
+    proposer = forced_proposer(draft, copy)
     with pytest.warns(RuntimeWarning, match=r"could not be loaded"):
         proposer.precompile(workers=1)
     assert proposer._store.hits == PROGRAMS - 2 and proposer._store.saves == 2
     assert_same_blocks(draft_calls(proposer, cache, seed=4), draft_calls(first, cache, seed=4))
-    again = make_proposer(draft, copy)
+    again = forced_proposer(draft, copy)
     again.precompile(workers=1)
     assert again._store.hits == PROGRAMS
 

@@ -8,48 +8,19 @@ import numpy as np
 import pytest
 from draft_testing import random_draft, tiny_config
 from flax import nnx
+from proposer_testing import CAPACITY, CFG, SLOTS, random_call
 
-from dspark_jax.cache import fill_context, init_context_cache
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
 from dspark_jax.sampling import TOP_K_ALL
 
-SLOTS, CAPACITY, N_CTX = 5, 12, 6
-CFG = dict(num_hidden_layers=2)  # two backbone pieces per round (SplitRound)
-
-
-def make_cache(draft, seed=0):
-    cfg = draft.cfg
-    rng = np.random.default_rng(seed)
-    features = rng.standard_normal((SLOTS, N_CTX, cfg.num_fused_layers * cfg.hidden_size)).astype(np.float32)
-    cache = init_context_cache(cfg, SLOTS, CAPACITY)
-    return fill_context(draft, cache, jnp.asarray(features), jnp.zeros(SLOTS, jnp.int32), jnp.full(SLOTS, N_CTX))
-
 
 @pytest.fixture(scope="module")
-def forced():
-    """A precompiled FORCE proposer (buckets 1, 2, 4) over a 5-slot cache, with twin programs
-    (the GPU default) on the CPU."""
-    draft = random_draft(tiny_config(**CFG), seed=0)
-    proposer = Proposer(
-        draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force", twin_programs=True
-    )
-    proposer.precompile(workers=2)  # also exercises the concurrent compile path
-    return draft, proposer, make_cache(draft)
-
-
-def random_call(rng, vocab, rows):
-    """Inputs of one call with ``rows`` requests in random slots, mixed greedy/sampling rows."""
-    temps = rng.choice([0.0, 0.7, 1.3], size=rows).astype(np.float32)
-    top_k = rng.choice([1, 20, TOP_K_ALL], size=rows)
-    return dict(
-        bonus=rng.integers(0, vocab, rows),
-        prefix_lens=rng.integers(0, N_CTX + 1, rows),
-        temperatures=temps,
-        top_k=top_k,
-        slots=rng.permutation(SLOTS)[:rows],
-    )
+def forced(forced_session):
+    """The session's precompiled FORCE proposer (``conftest.py``): ``(draft, proposer, cache)``."""
+    draft, proposer, cache, _ = forced_session
+    return draft, proposer, cache
 
 
 def test_batch_buckets_are_powers_of_two_up_to_max_batch():
