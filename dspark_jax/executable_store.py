@@ -164,13 +164,17 @@ class ExecutableStore:
     def save(self, key: str, compiled: jax.stages.Compiled, *, extra: Any = None) -> None:
         """Writes ``compiled`` (and the picklable ``extra``) under ``key``; atomic (a
         temporary file renamed), so a concurrent reader sees the old file or the new one."""
+        tmp_name = None
         try:
             payload, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((payload, in_tree, out_tree, extra))
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as tmp:
+                tmp_name = tmp.name
                 tmp.write(data)
-            os.replace(tmp.name, self._path(key))
+            os.replace(tmp_name, self._path(key))
         except Exception as err:  # noqa: BLE001 - the store only saves time: serving goes on without it
+            if tmp_name is not None:
+                Path(tmp_name).unlink(missing_ok=True)
             self._warn(f"could not save a program in {self.directory} ({err!r})")
             return
         self.saves += 1

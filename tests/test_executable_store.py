@@ -129,6 +129,18 @@ def test_a_failed_save_warns_and_serving_goes_on(monkeypatch, tmp_path):
     assert store.load(store.key("x")) is None and store.misses == 1
 
 
+def test_a_failed_write_leaves_no_temporary_file(monkeypatch, tmp_path):
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    store = ExecutableStore(tmp_path)
+    compiled = jax.jit(lambda x: x * 2).lower(np.zeros(3, np.float32)).compile()
+    monkeypatch.setattr(executable_store.os, "replace", refuse)
+    with pytest.warns(RuntimeWarning, match=r"could not save a program .*disk full"):
+        store.save(store.key("y"), compiled)
+    assert store.saves == 0 and not list(tmp_path.iterdir())
+
+
 def test_default_directory_follows_jax_compilation_cache(tmp_path):
     previous = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     try:
