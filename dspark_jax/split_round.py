@@ -95,6 +95,16 @@ class Alternating:
         return self._programs[i](*args)
 
 
+def fused_qkv(attn: Any) -> jax.Array | jax.ShapeDtypeStruct:
+    """``[H, (NH + 2·KVH)·D]``: an attention module's q, k and v kernels side by side (a
+    ``ShapeDtypeStruct`` for an abstract module, e.g. from ``nnx.eval_shape``)."""
+    kernels = [proj.kernel.get_value() for proj in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    if any(isinstance(k, jax.ShapeDtypeStruct) for k in kernels):
+        width = sum(k.shape[-1] for k in kernels)
+        return jax.ShapeDtypeStruct((*kernels[0].shape[:-1], width), kernels[0].dtype)
+    return jnp.concatenate(kernels, axis=-1)
+
+
 def _read_leaves(fn: Any, leaves: list[Any], *args: Any) -> tuple[int, ...]:
     """Indices of the ``leaves`` that ``fn(leaves, *args)`` reads (from its jaxpr)."""
     jaxpr = jax.make_jaxpr(fn)(leaves, *args).jaxpr
@@ -138,7 +148,14 @@ class SplitRound:
     too); :func:`~dspark_jax.proposal.validate_proposal_inputs` checks values on the host.
     """
 
-    def __init__(self, draft: DSparkDraft, *, front_layers: int = 1, twin_programs: bool | None = None):
+    def __init__(
+        self,
+        draft: DSparkDraft,
+        *,
+        front_layers: int = 1,
+        twin_programs: bool | None = None,
+        fuse_qkv: bool = True,
+    ):
         """Splits the draft into its graph and a flat list of its arrays.
 
         Args:
@@ -148,6 +165,12 @@ class SplitRound:
             and its twin in turn (:class:`Alternating`), so that a caller holding the
             previous block does not make XLA update the pieces' CUDA graphs. Default: on
             GPU backends (where XLA runs command buffers), off elsewhere (plain ``jax.jit``).
+          fuse_qkv: keep each layer's q/k/v kernels side by side in one array
+            (:func:`fused_qkv`, made once here) and read the three projections as slices of
+            it, so that XLA, which merges the three products at large batches, need not copy
+            the weights together on every call (0.13 ms per round at batch 128 on the H200).
+            Costs the fused arrays' memory (252 MB for the 8B draft) while the draft's own
+            kernels stay alive.
         """
         self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
         # input signature -> the backbone pieces; (signature, fold_sampling) -> the head
@@ -158,14 +181,28 @@ class SplitRound:
         self.graphdef, state = nnx.split(draft)
         # A flat list of arrays: flattening an nnx.State on every call costs host time.
         self.leaves, self._treedef = jax.tree.flatten(state)
+        self._num_state = len(self.leaves)
+        if fuse_qkv:
+            self.leaves += [fused_qkv(layer.self_attn) for layer in draft.layers]  # [H, (NH + 2·KVH)·D] each
         # Stand-ins for the leaves a piece does not read: tracing fails loudly if it does.
         self._placeholders = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.leaves]
         self._kept: dict[Any, tuple[int, ...]] = {}  # piece name -> indices of the leaves it reads
         self._backbone = jax.jit(self.backbone, static_argnames=("start", "stop"))
         self._head = jax.jit(self.head, static_argnames="fold_sampling")
 
-    def _draft(self, leaves: list[jax.Array]) -> DSparkDraft:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
+    def _draft(self, leaves: list[jax.Array], layers: range = range(0)) -> DSparkDraft:
+        """The draft rebuilt from ``leaves``; with ``fuse_qkv`` the q/k/v kernels of the
+        ``layers`` it runs are slices of their fused arrays (after the state's leaves), and
+        the state's own kernels go unread."""
+        draft = nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves[: self._num_state]))
+        fused = leaves[self._num_state :]
+        for i in layers if fused else ():
+            attn, start = draft.layers[i].self_attn, 0
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                width = proj.kernel.get_value().shape[-1]
+                proj.kernel.set_value(fused[i][:, start : start + width])
+                start += width
+        return draft
 
     def kept(self, name: Any) -> tuple[int, ...]:
         """Indices of the leaves that the piece ``name`` reads (found by :meth:`pruned`)."""
@@ -217,7 +254,8 @@ class SplitRound:
         Returns:
           ``[B, R, H]`` the residual stream after layer ``stop − 1``.
         """
-        return backbone_stage(self._draft(leaves), x, cache, bonus, prefix_lens, start=start, stop=stop, slots=slots)
+        draft = self._draft(leaves, range(start, stop))
+        return backbone_stage(draft, x, cache, bonus, prefix_lens, start=start, stop=stop, slots=slots)
 
     def head(
         self,

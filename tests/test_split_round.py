@@ -144,6 +144,7 @@ def test_pieces_take_only_the_leaves_they_read(three_layers):
     split = SplitRound(draft, twin_programs=True, front_layers=1)
     jax.block_until_ready(split(cache, **inputs, key=jax.random.key(0)))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(draft))[0]]
+    paths += [f"['layers'][{i}]['fused_qkv']" for i in range(len(draft.layers))]  # after the state's leaves
     assert len(paths) == len(split.leaves)
     read = {name: {paths[i] for i in kept} for name, kept in split._kept.items()}
     assert set(read) == {("piece", 0, 1), ("piece", 1, 3), ("head", True)}
@@ -154,6 +155,12 @@ def test_pieces_take_only_the_leaves_they_read(three_layers):
     assert layers(read["piece", 0, 1]) == {0} and layers(read["piece", 1, 3]) == {1, 2}
     assert not layers(read["head", True]) and read["head", True]
     assert all(0 < len(r) < len(paths) for r in read.values())
+    # the projections read the fused q/k/v kernels, never the state's own
+    everything = set().union(*read.values())
+    assert {p for p in paths if "fused_qkv" in p} <= everything
+    assert not any(
+        proj in p for p in everything for proj in ("q_proj']['kernel", "k_proj']['kernel", "v_proj']['kernel")
+    )
 
 
 def test_a_piece_missing_a_leaf_it_reads_fails_loudly(three_layers):
