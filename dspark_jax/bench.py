@@ -543,7 +543,7 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
         "rest_seconds": rest,
         "total_seconds": time.perf_counter() - t_all,
         # programs loaded from / saved to the executable store (traced, lowered and compiled: none / all)
-        "store": None if proposer._store is None else {"hits": proposer._store.hits, "saves": proposer._store.saves},
+        "store": None if proposer.store is None else {"hits": proposer.store.hits, "saves": proposer.store.saves},
         "gate": {
             "closed_form_bytes": gate.closed_form_bytes,
             "compiled_bytes": gate.compiled_bytes,

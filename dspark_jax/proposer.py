@@ -325,8 +325,9 @@ class Proposer:
         return ContextCache(k=cache, v=cache)
 
     @functools.cached_property
-    def _store(self) -> ExecutableStore | None:
-        """The executable store, resolved at the first compile (see ``executable_store``)."""
+    def store(self) -> ExecutableStore | None:
+        """The executable store (None without one), resolved at the first compile (see
+        ``executable_store``); its ``hits``, ``misses`` and ``saves`` count loads and writes."""
         directory = default_directory() if self._store_directory is None else self._store_directory
         return None if directory is None or directory is False else ExecutableStore(directory)
 
@@ -340,11 +341,11 @@ class Proposer:
     def _load(self, name: tuple[Any, ...]) -> jax.stages.Compiled | Alternating | None:
         """The program ``name`` from the executable store (an :class:`Alternating` for round
         programs, whose leaves it also sets), or None."""
-        if self._store is None:
+        if self.store is None:
             return None
         slicer = name[0] == "slicer"
         copies = 2 if self.twin_programs and not slicer else 1
-        got = self._store.load(self._store.key(name, self._store_parts), copies=copies)
+        got = self.store.load(self.store.key(name, self._store_parts), copies=copies)
         if got is None:
             return None
         programs, kept = got
@@ -356,9 +357,9 @@ class Proposer:
     def _install(self, name: tuple[Any, ...], compiled: jax.stages.Compiled) -> None:
         """Keeps a freshly compiled program (and saves it in the executable store)."""
         slicer = name[0] == "slicer"
-        if self._store is not None:
+        if self.store is not None:
             kept = None if slicer else self._split.kept(_leaves_name(name))
-            self._store.save(self._store.key(name, self._store_parts), compiled, extra=kept)
+            self.store.save(self.store.key(name, self._store_parts), compiled, extra=kept)
         if slicer:
             self._slicers[name[1], name[3]] = compiled
         else:

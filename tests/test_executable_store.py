@@ -47,14 +47,14 @@ def assert_same_blocks(got, expected):
 
 def test_restarted_proposer_loads_every_program_and_drafts_the_same_blocks(filled):
     draft, cache, directory, first = filled
-    assert first._store.saves == PROGRAMS and first._store.hits == 0
+    assert first.store.saves == PROGRAMS and first.store.hits == 0
     assert len(list(directory.glob("*.dsx"))) == PROGRAMS
     second = forced_proposer(draft, directory)
     with CompileCounter() as counter:
         second.precompile(workers=2)
         blocks = draft_calls(second, cache, seed=3)
     assert counter.count == 0 and counter.lowerings == 0
-    assert second._store.hits == PROGRAMS and second._store.saves == 0
+    assert second.store.hits == PROGRAMS and second.store.saves == 0
     # memory analysis works on loaded programs: the gate's refinement is the same
     assert second.gate.compiled_bytes == first.gate.compiled_bytes and second.gate.enabled
     assert_same_blocks(blocks, draft_calls(first, cache, seed=3))
@@ -75,7 +75,7 @@ def test_a_different_shape_misses_the_store_and_compiles(filled, tmp_path):
     other = forced_proposer(draft, copy, capacity=CAPACITY + 4)  # other cache shape: every piece
     with CompileCounter() as counter:
         other._compile_folded(1, False)
-    assert other._store.hits == 0 and counter.count == 2 + 1
+    assert other.store.hits == 0 and counter.count == 2 + 1
 
 
 def test_key_depends_on_parts_environment_and_configuration(monkeypatch, tmp_path):
@@ -109,11 +109,11 @@ def test_unreadable_files_warn_compile_again_and_are_replaced(filled, tmp_path):
     proposer = forced_proposer(draft, copy)
     with pytest.warns(RuntimeWarning, match=r"could not be loaded"):
         proposer.precompile(workers=1)
-    assert proposer._store.hits == PROGRAMS - 2 and proposer._store.saves == 2
+    assert proposer.store.hits == PROGRAMS - 2 and proposer.store.saves == 2
     assert_same_blocks(draft_calls(proposer, cache, seed=4), draft_calls(first, cache, seed=4))
     again = forced_proposer(draft, copy)
     again.precompile(workers=1)
-    assert again._store.hits == PROGRAMS
+    assert again.store.hits == PROGRAMS
 
 
 def test_a_failed_save_warns_and_serving_goes_on(monkeypatch, tmp_path):
