@@ -243,6 +243,8 @@ class DSparkDraft(nnx.Module):
         kernel, interpret = False, False
         if prefix_lens is not None and ctx_k.dtype == x.dtype:
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
+        if kernel and slots is None:  # one iota for all layers (each kernel would get its own)
+            slots = jnp.arange(x.shape[0], dtype=jnp.int32)
         for i in range(start, stop):
             layer = self.layers[i]
             if kernel:

@@ -36,9 +36,16 @@ class MarkovHead(nnx.Module):
         self.rank = r
         self.dtype = cfg.jnp_dtype
 
-    def embed_prev(self, prev: jax.Array) -> jax.Array:
-        """``[...]`` token ids → ``[..., r]`` rows of ``markov_w1``."""
-        return jnp.take(self.markov_w1[...], prev, axis=0).astype(self.dtype)
+    def embed_prev(self, prev: jax.Array, *, clip: bool = False) -> jax.Array:
+        """``[...]`` token ids → ``[..., r]`` rows of ``markov_w1``.
+
+        Out-of-range ids give NaN rows, or with ``clip`` the nearest row. The walk
+        (:meth:`step`) clips: its ids are the anchor, range-checked on the host and embedded
+        by the backbone too (an out-of-range anchor already makes the whole block NaN), and
+        the walk's own picks, in range by construction; a clipped lookup is one gather,
+        where the NaN fill costs XLA two more kernels per walk step on GPUs.
+        """
+        return jnp.take(self.markov_w1[...], prev, axis=0, mode="clip" if clip else None).astype(self.dtype)
 
     def project(self, z: jax.Array) -> jax.Array:
         """``[..., r]`` → ``[..., V]`` bias (``z @ markov_w2ᵀ``)."""
@@ -59,7 +66,7 @@ class MarkovHead(nnx.Module):
         Returns:
           ``(state [B, r], bias [B, V])``.
         """
-        z, state = self._latent(state, self.embed_prev(prev), h)
+        z, state = self._latent(state, self.embed_prev(prev, clip=True), h)
         return state, self.project(z)
 
     def block(self, prev: jax.Array, h: jax.Array) -> jax.Array:

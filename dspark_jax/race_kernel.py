@@ -126,7 +126,7 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, p
     """Program ``(b, j)``: pairs ``[j·T, (j + 1)·T)`` of row ``b`` (the last range clamped to end at ``P``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``t``, ``greedy`` ``[B]``, ``words`` ``[B, 2]``, ``base`` ``[B, γ, V]``,
+    ``t``, ``greedy`` ``[B]``, ``words`` ``[B, γ, 2]``, ``base`` ``[B, γ, V]``,
     ``bias`` ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the
     outputs: corrected logits ``[B, γ, V]``, this program's best score and token ``[1, 1]``.
     """
@@ -143,7 +143,7 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, p
 
     def race():
         counter = index.astype(jnp.uint32)
-        w0, w1 = threefry2x32(words_ref[b, 0], words_ref[b, 1], counter, counter + np.uint32(pairs))
+        w0, w1 = threefry2x32(words_ref[b, step, 0], words_ref[b, step, 1], counter, counter + np.uint32(pairs))
         t = t_ref[b]
         return _divide(lo, t, interpret) - _log_exponential(w0), _divide(hi, t, interpret) - _log_exponential(w1)
 
@@ -180,7 +180,9 @@ def race_step(
         the later steps).
       temperatures: ``[B]`` float32, clamped (:func:`dspark_jax.sampling.clamp_temperatures`).
       greedy: ``[B]`` bool, True for rows that take the argmax (they never hash noise).
-      key_words: ``uint32 [B, 2]`` this step's per-row Threefry key words.
+      key_words: ``uint32 [B, γ, 2]`` every step's per-row Threefry key words
+        (:func:`step_key_words`; one array for the whole walk, so that XLA makes them in
+        one kernel rather than one per step); this step reads slot ``step``.
       step: ``k`` (int32 scalar, may be traced).
       interpret: run through the Pallas interpreter (any backend).
 
@@ -195,7 +197,16 @@ def race_step(
     blocks = -(-pairs // tile)
     kernel = functools.partial(_kernel, pairs=pairs, tile=tile, interpret=interpret)
     whole = lambda shape: pl.BlockSpec(shape, lambda b, j: (0,) * len(shape))  # noqa: E731 - read in place
-    in_specs = [whole((1,)), whole((batch,)), whole((batch,)), whole((batch, 2)), whole(base.shape), whole(bias.shape)]
+    if key_words.shape != (batch, gamma, 2):
+        raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
+    in_specs = [
+        whole((1,)),
+        whole((batch,)),
+        whole((batch,)),
+        whole(key_words.shape),
+        whole(base.shape),
+        whole(bias.shape),
+    ]
     args = [
         jnp.reshape(jnp.asarray(step, jnp.int32), (1,)),
         temperatures.astype(jnp.float32),
@@ -235,6 +246,16 @@ def race_step(
     return tokens, out
 
 
+def step_key_words(keys: jax.Array, gamma: int) -> jax.Array:
+    """``uint32 [B, γ, 2]``: the Threefry key words of ``step_keys(keys, k)`` for ``k < γ``.
+
+    Args:
+      keys: typed per-row keys ``[B]`` (:func:`dspark_jax.sampling.row_keys`).
+      gamma: ``γ``.
+    """
+    return jax.vmap(lambda k: _key_words(step_keys(keys, k)), out_axes=1)(jnp.arange(gamma, dtype=jnp.uint32))
+
+
 def raced_markov_walk(
     head,
     base_logits: jax.Array,
@@ -265,9 +286,9 @@ def raced_markov_walk(
     batch, gamma = base_logits.shape[:2]
     state, prev = head.init_state(batch), bonus.astype(jnp.int32)
     corrected, tokens = None, []
+    words = step_key_words(keys, gamma)  # [B, γ, 2]
     for k in range(gamma):
         state, bias = head.step(state, prev, hidden[:, k])
-        words = _key_words(step_keys(keys, k))  # [B, 2]
         prev, corrected = race_step(base_logits, bias, corrected, temperatures, greedy, words, k, interpret=interpret)
         tokens.append(prev)
     return jnp.stack(tokens, axis=1), corrected

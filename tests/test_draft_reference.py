@@ -282,6 +282,19 @@ def test_markov_walk_matches_reference(kind, picker):
         assert rel_err(forced, corrected_ref) <= TOL
 
 
+def test_markov_lookup_clips_in_the_walk_and_fills_nan_elsewhere():
+    """The walk's clipped lookup equals the plain one in range; out of range it takes the
+    nearest row, where the default (training, confidence) gives NaN rows."""
+    cfg = tiny_config()
+    head = random_draft(cfg, seed=21).markov_head
+    table = np.asarray(head.markov_w1[...])
+    ids = jnp.asarray([0, 5, cfg.vocab_size - 1])
+    np.testing.assert_array_equal(np.asarray(head.embed_prev(ids, clip=True)), np.asarray(head.embed_prev(ids)))
+    bad = jnp.asarray([-3, cfg.vocab_size, cfg.vocab_size + 7])
+    np.testing.assert_array_equal(np.asarray(head.embed_prev(bad, clip=True)), table[[0, -1, -1]])
+    assert np.isnan(np.asarray(head.embed_prev(bad[1:]))).all()
+
+
 def test_rnn_state_is_carried_across_steps():
     cfg = tiny_config(markov_head_type="rnn")
     draft = random_draft(cfg, seed=19)

@@ -13,6 +13,7 @@ from dspark_jax.race_kernel import (
     race_choice,
     race_step,
     race_supported,
+    step_key_words,
     threefry2x32,
     use_race_kernel,
 )
@@ -42,8 +43,9 @@ def test_race_step_equals_sample_step(batch, vocab):
     gamma = 3
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab)
     corrected = None
+    words = step_key_words(keys, gamma)  # [B, γ, 2]
     for step in range(gamma):
-        words = S._key_words(S.step_keys(keys, step))
+        np.testing.assert_array_equal(np.asarray(words[:, step]), np.asarray(S._key_words(S.step_keys(keys, step))))
         tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step, interpret=True)
         logits = base[:, step].astype(jnp.float32) + bias[step].astype(jnp.float32)
         want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step))
@@ -62,7 +64,7 @@ def test_ties_nan_and_all_minus_inf_rows():
     bias = jnp.zeros((batch, vocab), jnp.float32)
     greedy = jnp.array([True, True, True, False])
     temps = jnp.ones((batch,), jnp.float32)
-    words = S._key_words(S.row_keys(jax.random.key(0), batch))
+    words = S._key_words(S.row_keys(jax.random.key(0), batch))[:, None]  # [B, 1, 2]
     tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=True)
     np.testing.assert_array_equal(np.asarray(tokens), [7, 0, 400, 0])
 
@@ -83,6 +85,9 @@ def test_race_choice_support_and_bad_vocab(monkeypatch):
         race_choice()
     base = jnp.zeros((1, 1, 511), jnp.float32)
     with pytest.raises(ValueError, match="vocab=511"):
+        race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0)
+    base = jnp.zeros((1, 3, 512), jnp.float32)
+    with pytest.raises(ValueError, match=r"key_words has shape \(1, 2\): must be \(B, γ, 2\) = \(1, 3, 2\)"):
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 2), jnp.uint32), 0)
 
 
