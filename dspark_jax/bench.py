@@ -238,22 +238,10 @@ def floor_ms(cost: dict[str, float], bandwidth: float, flop_rate: float) -> tupl
 
 
 # --------------------------------------------------------------------------- timing
-def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
-    """Wall time (ms) of ``fn()``: each call alone, and back to back.
-
-    Returns:
-      ``median_ms``, ``p10_ms``, ``p90_ms`` over ``iters`` calls each waited for on its
-      own (latency as a caller that needs the result sees it); ``dispatch_ms``, the
-      median time until the call returns, before its result is ready (host work); and
-      ``pipelined_ms``, the mean time per call over ``iters`` calls dispatched back to
-      back with one wait at the end (host work overlapping device work, as in a serving
-      loop that does not read every result at once); ``released_median_ms``, the median
-      when the previous call's result is dropped before each call (a loop that frees each
-      block once verified: XLA then need not update the program's CUDA graph for new output
-      addresses); ``spin_median_ms``, the median when each call is waited for by polling
-      (:func:`~dspark_jax.ready.spin_until_ready`, the way ``torch.cuda.synchronize`` waits
-      by default) instead of ``jax.block_until_ready``.
-    """
+def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Raw wall times (ms) of ``fn()`` for :func:`time_call`: ``latency`` and ``dispatch`` per
+    call waited for on its own, ``pipelined`` one total over ``iters`` calls dispatched back to
+    back (``pipelined_calls`` of them), ``released`` and ``spin`` per call."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times, dispatch = [], []
@@ -268,7 +256,7 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
     for _ in range(iters):
         out = fn()  # in-order execution: the last result ready means all are done
     jax.block_until_ready(out)
-    pipelined = (time.perf_counter() - t0) * 1e3 / iters
+    pipelined = (time.perf_counter() - t0) * 1e3
     released = []
     for _ in range(iters):
         out = None  # nothing of the previous call is alive during this one
@@ -281,17 +269,72 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
         out = spin_until_ready(fn())
         spin.append((time.perf_counter() - t0) * 1e3)
     del out
-    p10, med, p90 = np.percentile(times, [10, 50, 90])
+    return {
+        "latency": times,
+        "dispatch": dispatch,
+        "pipelined": [pipelined],
+        "pipelined_calls": [iters],
+        "released": released,
+        "spin": spin,
+    }
+
+
+def _summary(samples: dict[str, list[float]]) -> dict[str, float]:
+    """:func:`time_call`'s statistics from (possibly merged) :func:`_time_samples`."""
+    p10, med, p90 = np.percentile(samples["latency"], [10, 50, 90])
     return {
         "median_ms": float(med),
         "p10_ms": float(p10),
         "p90_ms": float(p90),
-        "dispatch_ms": float(np.median(dispatch)),
-        "pipelined_ms": pipelined,
-        "released_median_ms": float(np.median(released)),
-        "spin_median_ms": float(np.median(spin)),
-        "iters": iters,
+        "dispatch_ms": float(np.median(samples["dispatch"])),
+        "pipelined_ms": sum(samples["pipelined"]) / sum(samples["pipelined_calls"]),
+        "released_median_ms": float(np.median(samples["released"])),
+        "spin_median_ms": float(np.median(samples["spin"])),
+        "iters": len(samples["latency"]),
     }
+
+
+def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
+    """Wall time (ms) of ``fn()``: each call alone, and back to back.
+
+    Returns:
+      ``median_ms``, ``p10_ms``, ``p90_ms`` over ``iters`` calls each waited for on its
+      own (latency as a caller that needs the result sees it); ``dispatch_ms``, the
+      median time until the call returns, before its result is ready (host work); and
+      ``pipelined_ms``, the mean time per call over ``iters`` calls dispatched back to
+      back with one wait at the end (host work overlapping device work, as in a serving
+      loop that does not read every result at once); ``released_median_ms``, the median
+      when the previous call's result is dropped before each call (a loop that frees each
+      block once verified: XLA then need not update the program's CUDA graph for new output
+      addresses); ``spin_median_ms``, the median when each call is waited for by polling
+      (:func:`~dspark_jax.ready.spin_until_ready`, the way ``torch.cuda.synchronize`` waits
+      by default) instead of ``jax.block_until_ready``; ``iters``.
+    """
+    return _summary(_time_samples(fn, iters=iters, warmup=warmup))
+
+
+def time_calls(calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3) -> dict[Any, dict[str, float]]:
+    """:func:`time_call` for several calls, interleaved so that drift hits them alike.
+
+    Each of ``rounds`` rounds times every call in turn for ``⌈iters / rounds⌉`` calls of each
+    of :func:`time_call`'s loops (3 warm-up calls in the first round, then 2: one for each
+    twin program whose CUDA graph the other calls' allocations may have made stale), and the
+    statistics come from all rounds' samples together. Why: on the H200 the same batch-128
+    round measured 5.91 and 6.05 ms (greedy), 6.71 and 6.35 ms (mixed) a minute apart in one
+    process, so modes timed one after the other compared drift as much as the modes.
+
+    Returns:
+      ``{name: time_call's dict}``, ``iters`` per call rounded up to a multiple of ``rounds``.
+    """
+    if rounds < 1 or iters < 1:
+        raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
+    per_round = -(-iters // rounds)
+    merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
+    for r in range(rounds):
+        for name, fn in calls.items():
+            for key, values in _time_samples(fn, iters=per_round, warmup=3 if r == 0 else 2).items():
+                merged[name].setdefault(key, []).extend(values)
+    return {name: _summary(samples) for name, samples in merged.items()}
 
 
 def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, float]:
@@ -431,6 +474,7 @@ def bench_propose(
         inp = _inputs(cfg, batch, context, capacity, seed=batch)
         host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
         mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
+        pending: list[tuple[dict[str, Any], Callable[[], Any]]] = []  # (row so far, its call)
         for path, fold_sampling, path_modes in (
             ("folded_greedy", False, ("greedy",)),
             ("folded", True, MODES),
@@ -457,33 +501,38 @@ def bench_propose(
 
                 t0 = time.perf_counter()
                 jax.block_until_ready(call())
-                first_ms = (time.perf_counter() - t0) * 1e3
                 row = {
                     "batch": batch,
                     "mode": mode,
                     "path": path,
-                    **time_call(call, iters=iters),
-                    "first_call_ms": first_ms,
+                    "first_call_ms": (time.perf_counter() - t0) * 1e3,
                     "bytes": cost["bytes"],
                     "flops": cost["flops"],
                     "floor_ms": floor,
                     "floor_bound": bound,
                     "floor_copy_ms": floor_copy,
                 }
-                if profile and mode in ("greedy", "mixed"):
-                    try:
-                        row["profile"] = profile_kernels(call, iters=min(iters, 10))
-                    except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing
-                        row["profile"] = {"error": repr(err)}
-                rows.append(row)
-            mem_row[f"peak_after_{path}_bytes"] = _memory_stat("peak_bytes_in_use")
+                pending.append((row, call))
         for mode in modes if "proposer" in paths else ():
             temps, top_k = (np.asarray(a) for a in sampling_params(batch, mode))
 
             def call_proposer(temps=temps, top_k=top_k, host=host):
                 return proposer(shared, host["bonus"], host["prefix_lens"], temps, top_k, key)
 
-            rows.append({"batch": batch, "mode": mode, "path": "proposer", **time_call(call_proposer, iters=iters)})
+            jax.block_until_ready(call_proposer())
+            pending.append(({"batch": batch, "mode": mode, "path": "proposer"}, call_proposer))
+        mem_row["peak_after_first_calls_bytes"] = _memory_stat("peak_bytes_in_use")
+        # every path and mode of this batch timed in interleaved rounds (time_calls)
+        timings = time_calls({i: call for i, (_, call) in enumerate(pending)}, iters=iters, rounds=min(3, iters))
+        for i, (row, call) in enumerate(pending):
+            row.update(timings[i])
+            if profile and row["path"] != "proposer" and row["mode"] in ("greedy", "mixed"):
+                try:
+                    row["profile"] = profile_kernels(call, iters=min(iters, 10))
+                except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing
+                    row["profile"] = {"error": repr(err)}
+            rows.append(row)
+        mem_row["peak_after_timing_bytes"] = _memory_stat("peak_bytes_in_use")
         for mode in modes if "eager" in paths and eager_iters else ():
             temps, top_k = sampling_params(batch, mode)
 

@@ -97,3 +97,24 @@ def test_bad_batches_are_refused_before_anything_runs():
         bench.main(["--shapes", "tiny", "--batches", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "tiny", "--modes", "greedy,bogus"])
+
+
+def test_time_calls_interleaves_rounds_and_merges_their_samples():
+    """Each round times every call in turn; the statistics cover all rounds' calls."""
+    order = []
+
+    def make(name):
+        def call():
+            order.append(name)
+            return np.zeros(1)
+
+        return call
+
+    got = bench.time_calls({"a": make("a"), "b": make("b")}, iters=5, rounds=2)  # 3 calls per loop and round
+    per_round = 3 + 4 * 3  # warm-up + latency, pipelined, released and spin loops
+    assert order == ["a"] * per_round + ["b"] * per_round + ["a"] * (per_round - 1) + ["b"] * (per_round - 1)
+    for stats in got.values():
+        assert stats["iters"] == 6
+        assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"] and stats["pipelined_ms"] > 0
+    with pytest.raises(ValueError, match="rounds >= 1 and iters >= 1, got rounds=0"):
+        bench.time_calls({"a": make("a")}, iters=5, rounds=0)
