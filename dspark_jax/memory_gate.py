@@ -4,7 +4,10 @@ Folding sampling into the compiled draft round costs, at the largest batch bucke
 the exponential noise ``[max_bs, V]`` float32 plus the corrected logits
 ``[max_bs, γ, V]`` that the accept step needs (``DSPARK_SPEC.md`` §3). dspark_jax keeps
 the corrected logits in float32 (``logits_itemsize = 4``), so the closed form is
-``max_bs·V·4 + max_bs·γ·V·4`` bytes.
+``max_bs·V·4 + max_bs·γ·V·4`` bytes. Where the fused race kernel draws the walk's noise
+(:mod:`dspark_jax.race_kernel`, GPUs), no noise array exists (``noise_itemsize = 0``): the
+closed form is then the corrected logits alone (measured on the H200 at ``max_bs`` 128: the
+sampling round's peak 0.545 GB above the greedy round's, the logits 0.5445 GB).
 
 ``FoldedSampling``:
 
@@ -69,7 +72,7 @@ class GateDecision:
     Attributes:
       mode: the resolved mode.
       enabled: True when sampling is folded into the compiled round.
-      closed_form_bytes: ``max_bs·V·4 + max_bs·γ·V·itemsize``.
+      closed_form_bytes: ``max_bs·V·noise_itemsize + max_bs·γ·V·logits_itemsize``.
       compiled_bytes: what folding sampling adds to the compiled round at the largest
         bucket according to XLA's memory analysis, or None when not measured.
       free_bytes: free memory on the device (or host RAM on CPU), or None when unknown.
@@ -91,9 +94,12 @@ class GateDecision:
         return max(self.closed_form_bytes, self.compiled_bytes or 0)
 
 
-def closed_form_bytes(*, max_batch: int, gamma: int, vocab: int, logits_itemsize: int = 4) -> int:
-    """``max_bs·V·4`` (float32 noise) plus ``max_bs·γ·V·itemsize`` (corrected logits)."""
-    return max_batch * vocab * 4 + max_batch * gamma * vocab * logits_itemsize
+def closed_form_bytes(
+    *, max_batch: int, gamma: int, vocab: int, logits_itemsize: int = 4, noise_itemsize: int = 4
+) -> int:
+    """``max_bs·V·noise_itemsize`` (float32 noise; 0 where the race kernel draws it in
+    registers) plus ``max_bs·γ·V·logits_itemsize`` (corrected logits)."""
+    return max_batch * vocab * noise_itemsize + max_batch * gamma * vocab * logits_itemsize
 
 
 def free_device_bytes(device: Any = None) -> int | None:
@@ -156,6 +162,7 @@ def plan_folded_sampling(
     gamma: int,
     vocab: int,
     logits_itemsize: int = 4,
+    noise_itemsize: int = 4,
     free_bytes: int | None = None,
     compiled_bytes: int | None = None,
     headroom: int = GIB,
@@ -168,6 +175,8 @@ def plan_folded_sampling(
       gamma: drafts per round.
       vocab: ``V``.
       logits_itemsize: bytes per corrected logit (4: dspark_jax keeps them float32).
+      noise_itemsize: bytes per noise value held in memory (4 for the XLA sampler's float32
+        noise; 0 where the race kernel draws it in registers).
       free_bytes: free memory; measured with :func:`free_device_bytes` when None.
       compiled_bytes: what folding sampling adds per XLA's memory analysis, if known.
       headroom: bytes that must stay free (1 GiB).
@@ -176,7 +185,9 @@ def plan_folded_sampling(
       The :class:`GateDecision`.
     """
     mode = FoldedSampling.resolve(mode)
-    closed = closed_form_bytes(max_batch=max_batch, gamma=gamma, vocab=vocab, logits_itemsize=logits_itemsize)
+    closed = closed_form_bytes(
+        max_batch=max_batch, gamma=gamma, vocab=vocab, logits_itemsize=logits_itemsize, noise_itemsize=noise_itemsize
+    )
     if free_bytes is None and mode is FoldedSampling.AUTO:
         free_bytes = free_device_bytes()
     return _decide(mode, closed, compiled_bytes, free_bytes, headroom)

@@ -69,6 +69,7 @@ from dspark_jax.memory_gate import (
     sampling_extra_bytes,
 )
 from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
+from dspark_jax.race_kernel import use_race_kernel
 from dspark_jax.sampling import TOP_K_ALL
 from dspark_jax.split_round import Alternating, SplitRound
 
@@ -292,10 +293,14 @@ class Proposer:
 
     # ----------------------------------------------------------------- gate
     def _gate_kwargs(self) -> dict[str, Any]:
+        # The compiled race kernel (GPUs, with a Markov head) draws the noise in registers.
+        kernel, interpret = use_race_kernel(self.cfg.vocab_size)
+        in_registers = self.cfg.markov_rank > 0 and kernel and not interpret
         return dict(
             max_batch=self.max_batch,
             gamma=self.cfg.gamma,
             vocab=self.cfg.vocab_size,
+            noise_itemsize=0 if in_registers else 4,
             free_bytes=self._free_bytes,
             headroom=self._headroom,
         )

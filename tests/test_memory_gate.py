@@ -25,6 +25,10 @@ def test_closed_form_matches_the_spec_example():
     assert size == 256 * 151936 * 4 + 256 * 7 * 151936 * 2
     assert abs(size / GIB - 0.65) < 0.01
     assert closed_form_bytes(**SHAPE) == NEEDED
+    # no noise array where the race kernel draws the noise in registers
+    assert closed_form_bytes(**SHAPE, noise_itemsize=0) == NEEDED - 16 * 1000 * 4
+    decision = plan_folded_sampling("force", noise_itemsize=0, **SHAPE)
+    assert decision.closed_form_bytes == NEEDED - 16 * 1000 * 4
 
 
 def test_default_mode_is_auto(monkeypatch):

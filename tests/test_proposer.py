@@ -13,6 +13,7 @@ from proposer_testing import CAPACITY, CFG, SLOTS, random_call
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
+from dspark_jax.race_kernel import use_race_kernel
 from dspark_jax.sampling import TOP_K_ALL
 
 
@@ -90,9 +91,27 @@ def test_gate_reports_closed_form_and_compiled_estimates(forced):
     draft, proposer, _ = forced
     cfg, gate = draft.cfg, proposer.gate
     assert gate.mode is FoldedSampling.FORCE and gate.enabled
-    assert gate.closed_form_bytes == 4 * cfg.vocab_size * 4 + 4 * cfg.gamma * cfg.vocab_size * 4
+    kernel, interpret = use_race_kernel(cfg.vocab_size)
+    noise = 0 if kernel and not interpret else 4 * cfg.vocab_size * 4  # the race kernel draws it in registers
+    assert gate.closed_form_bytes == noise + 4 * cfg.gamma * cfg.vocab_size * 4
     # The sampling executable returns the [max_bs, γ, V] float32 logits the greedy one does not.
     assert gate.compiled_bytes is not None and gate.compiled_bytes >= 4 * cfg.gamma * cfg.vocab_size * 4
+
+
+def test_gate_counts_no_noise_array_where_the_race_kernel_draws_the_noise(monkeypatch):
+    """With the compiled race kernel the closed form is the corrected logits alone; through the
+    interpreter, or without a Markov head (no race), the float32 noise array counts too."""
+    markov = tiny_config(**CFG)
+    plain = tiny_config(**CFG, markov_rank=0, confidence_head_with_markov=False)
+    for choice, cfg, noise in (
+        ((True, False), markov, False),
+        ((True, True), markov, True),
+        ((True, False), plain, True),
+    ):
+        monkeypatch.setattr("dspark_jax.proposer.use_race_kernel", lambda vocab, choice=choice: choice)
+        proposer = Proposer(random_draft(cfg, seed=3), max_batch=4, capacity=CAPACITY, folded_sampling="force")
+        want = 4 * cfg.gamma * cfg.vocab_size * 4 + (4 * cfg.vocab_size * 4 if noise else 0)
+        assert proposer.gate.closed_form_bytes == want, (choice, cfg.markov_rank)
 
 
 def test_auto_gate_short_of_memory_warns_and_samples_eagerly(forced):
