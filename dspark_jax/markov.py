@@ -43,7 +43,7 @@ class MarkovHead(nnx.Module):
         (:meth:`step`) clips: its ids are the anchor, range-checked on the host and embedded
         by the backbone too (an out-of-range anchor already makes the whole block NaN), and
         the walk's own picks, in range by construction; a clipped lookup is one gather,
-        where the NaN fill costs XLA two more kernels per walk step on GPUs.
+        where the NaN fill cost XLA up to two more kernels per walk step on the H200.
         """
         return jnp.take(self.markov_w1[...], prev, axis=0, mode="clip" if clip else None).astype(self.dtype)
 

@@ -7,7 +7,7 @@ the corrected logits in float32 (``logits_itemsize = 4``), so the closed form is
 ``max_bs·V·4 + max_bs·γ·V·4`` bytes. Where the fused race kernel draws the walk's noise
 (:mod:`dspark_jax.race_kernel`, GPUs), no noise array exists (``noise_itemsize = 0``): the
 closed form is then the corrected logits alone (measured on the H200 at ``max_bs`` 128: the
-sampling round's peak 0.545 GB above the greedy round's, the logits 0.5445 GB).
+sampling round's peak 544,538,624 bytes above the greedy round's, exactly ``128·7·151936·4``).
 
 ``FoldedSampling``:
 
