@@ -21,6 +21,7 @@ from dspark_jax.attention_kernel import attend_block, use_kernel
 from dspark_jax.config import DraftConfig
 from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.markov import MarkovHead, make_markov_head
+from dspark_jax.qk_norm_kernel import project_qkv
 
 
 class Borrowed(nnx.Variable):
@@ -245,6 +246,8 @@ class DSparkDraft(nnx.Module):
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
         if kernel and slots is None:  # one iota for all layers (each kernel would get its own)
             slots = jnp.arange(x.shape[0], dtype=jnp.int32)
+        # with the attention kernels, each layer's q/k norms and RoPE run as one kernel too
+        project = functools.partial(project_qkv, interpret=interpret)
         for i in range(start, stop):
             layer = self.layers[i]
             if kernel:
@@ -257,7 +260,7 @@ class DSparkDraft(nnx.Module):
                     slots=slots,
                     interpret=interpret,
                 )
-                x = layer.with_attention(x, positions, attend)
+                x = layer.with_attention(x, positions, attend, project_fn=project)
             else:
                 k, v = ctx_k[i], ctx_v[i]  # [N, C, KVH, D]
                 if slots is not None:

@@ -34,6 +34,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * normed
 
 
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)``, each ``[B, S, D/2]`` float32, of the rotary angles at ``positions [B, S]``."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Neox-style rotary embedding over the whole head dim.
 
@@ -46,10 +53,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       ``[B, S, heads, D]`` in ``x.dtype``.
     """
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, S, 1, D/2]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos, sin = rope_angles(positions, d, theta)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, D/2]
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -181,6 +186,11 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         return rope(self.q_norm(q), positions, self.rope_theta)
 
+    def qkv(self, x: jax.Array) -> jax.Array:
+        """``[B, S, H]`` → the raw q, k and v projections side by side, ``[B, S, (NH + 2·KVH)·D]``
+        (XLA merges the three products; with the kernels as slices of one array, nothing is copied)."""
+        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
     def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``[B, S, H]`` → roped, normed keys and values, each ``[B, S, KVH, D]``."""
         b, s, _ = x.shape
@@ -255,7 +265,7 @@ class DecoderLayer(nnx.Module):
         """
         return self.with_attention(x, positions, lambda q, k, v: attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v))
 
-    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn) -> jax.Array:
+    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn, project_fn=None) -> jax.Array:
         """Runs the layer with a caller-supplied attention over the block's own keys and more.
 
         Args:
@@ -263,13 +273,19 @@ class DecoderLayer(nnx.Module):
           positions: ``[B, S]``.
           attend_fn: ``(q [B, S, NH, D], k, v [B, S, KVH, D]) -> [B, S, NH·D]``, given this
             layer's roped queries and the block's own roped keys and values.
+          project_fn: ``(attention module, normed x, positions) -> (q, k, v)`` as
+            ``query``/``key_value`` compute them (e.g. one kernel,
+            :func:`dspark_jax.qk_norm_kernel.project_qkv`); default those two methods.
 
         Returns:
           ``[B, S, H]``.
         """
         a = self.input_layernorm(x)
-        q = self.self_attn.query(a, positions)
-        k, v = self.self_attn.key_value(a, positions)
+        if project_fn is not None:
+            q, k, v = project_fn(self.self_attn, a, positions)
+        else:
+            q = self.self_attn.query(a, positions)
+            k, v = self.self_attn.key_value(a, positions)
         return self._residual(x, attend_fn(q, k, v))
 
     def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:

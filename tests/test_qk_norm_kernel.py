@@ -1,0 +1,47 @@
+"""The q/k norm + RoPE kernel (Pallas interpreter on the CPU) against the XLA path and a float64 reference."""
+
+import jax
+import jax.numpy as jnp
+import np_reference as ref
+import numpy as np
+import pytest
+from draft_testing import hf_params, random_draft, rel_err, tiny_config
+
+from dspark_jax.layers import rope_angles
+from dspark_jax.qk_norm_kernel import project_qkv, qk_norm_rope
+
+BF16_ULP = 2.0**-7  # one unit in the last place of a bfloat16 value in [1, 2)
+
+
+def _layer_inputs(heads, kv_heads, head_dim, seed=1):
+    cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, dtype="bfloat16")
+    draft = random_draft(cfg, seed=seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (3, 7, cfg.hidden_size)).astype(jnp.bfloat16)
+    positions = jnp.arange(21, dtype=jnp.int32).reshape(3, 7) * 37 + 5
+    return cfg, draft, x, positions
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 2, 16), (40, 8, 64)])  # 6, 40: padded heads
+def test_kernel_matches_the_xla_projection_and_the_float64_reference(heads, kv_heads, head_dim):
+    cfg, draft, x, positions = _layer_inputs(heads, kv_heads, head_dim)
+    attn = draft.layers[0].self_attn
+    got = project_qkv(attn, x, positions, interpret=True)
+    want = jax.jit(lambda: (attn.query(x, positions), *attn.key_value(x, positions)))()
+    np_want = ref.project_qkv(np.asarray(x, np.float64), np.asarray(positions), hf_params(draft), 0, cfg)
+    for name, g, w, r in zip("qkv", got, want, np_want, strict=True):
+        assert g.shape == w.shape and g.dtype == jnp.bfloat16, name
+        # the XLA path may keep excess precision inside its program: agree to bfloat16 rounding
+        assert rel_err(g, w) <= BF16_ULP, name
+        # against float64: the bfloat16 projection and outputs, a few units in the last place
+        assert rel_err(g, r) <= 4 * BF16_ULP, name
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # values are copied
+
+
+def test_bad_shapes_name_what_was_given():
+    qkv = jnp.zeros((2, 3, (4 + 2 * 2) * 16), jnp.bfloat16)
+    cos, sin = rope_angles(jnp.zeros((2, 3), jnp.int32), 16, 10_000.0)
+    w = jnp.ones((16,), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"qkv \(2, 3, 128\), cos \(2, 3, 8\).*for 4 query and 3 key/value heads"):
+        qk_norm_rope(qkv, w, w, cos, sin, num_heads=4, num_kv_heads=3, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match=r"cos \(2, 3, 4\)"):
+        qk_norm_rope(qkv, w, w, cos[..., :4], sin[..., :4], num_heads=4, num_kv_heads=2, eps=1e-6, interpret=True)
