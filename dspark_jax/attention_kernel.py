@@ -9,8 +9,9 @@ over the block's own keys, under one softmax. :func:`attend_block` hands the ker
 queries as ``[B, S, KVH, G, D]`` (a reshape of ``[B, S, NH, D]``: no transpose, no pad)
 and the block's keys and values as they are; each program loads its ``[R, Gp, D]`` query
 tile and ``[T, D]`` own-key tile with the padding rows and heads masked (zeros, nothing
-read) and stores only the real rows of the ``[B, S, KVH, G, D]`` output, so no XLA kernel
-runs between the q/k/v projections and the output projection but the norms and RoPE:
+read) and stores only the real rows of the ``[B, S, KVH, G, D]`` output, so between the
+q/k/v projections and the output projection only the norms and RoPE run (one kernel too,
+:mod:`dspark_jax.qk_norm_kernel`):
 
 * one key range per request (batches from 32 up at the 8B shapes): program ``(b, h)``
   holds the ``M`` query rows of KV head ``h`` of request ``b``, walks the visible context in
