@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dspark_jax.attention_kernel import _load, _store, _whole
 from dspark_jax.layers import rope_angles
 
 
@@ -43,23 +44,6 @@ def _heads(b, s, first: int, count: int, half: int, upper: bool):
     if padded == count:
         return idx, None
     return idx, jax.lax.broadcasted_iota(jnp.int32, (padded, half), 0) < count
-
-
-def _load(ref, idx, mask):
-    if mask is None:
-        return ref[idx]
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.load(ref.at[idx], mask=mask, other=0)
-
-
-def _store(ref, idx, value, mask) -> None:
-    if mask is None:
-        ref[idx] = value
-        return
-    from jax.experimental.pallas import triton as plgpu
-
-    plgpu.store(ref.at[idx], value, mask=mask)
 
 
 def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, nh, kvh, eps):
@@ -131,7 +115,6 @@ def qk_norm_rope(
             f"{num_heads} query and {num_kv_heads} key/value heads: expected qkv [B, S, (NH + 2·KVH)·D] with D "
             "even and cos, sin [B, S, D/2]"
         )
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731 - read in place
     qkv4 = qkv.reshape(b, s, heads, dim)
     out_shape = [
         jax.ShapeDtypeStruct((b, s, num_heads, dim), qkv.dtype),
@@ -146,8 +129,8 @@ def qk_norm_rope(
     return pl.pallas_call(
         functools.partial(_kernel, nh=num_heads, kvh=num_kv_heads, eps=eps),
         grid=(b, s),
-        in_specs=[whole(qkv4.shape), whole((dim,)), whole((dim,)), whole(cos.shape), whole(sin.shape)],
-        out_specs=[whole(o.shape) for o in out_shape],
+        in_specs=[_whole(qkv4.shape), _whole((dim,)), _whole((dim,)), _whole(cos.shape), _whole(sin.shape)],
+        out_specs=[_whole(o.shape) for o in out_shape],
         out_shape=out_shape,
         interpret=interpret,
         name="dspark_qk_norm_rope",
