@@ -246,8 +246,6 @@ class DSparkDraft(nnx.Module):
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
         if kernel and slots is None:  # one iota for all layers (each kernel would get its own)
             slots = jnp.arange(x.shape[0], dtype=jnp.int32)
-        # with the attention kernels, each layer's q/k norms and RoPE run as one kernel too
-        project = functools.partial(project_qkv, interpret=interpret)
         for i in range(start, stop):
             layer = self.layers[i]
             if kernel:
@@ -260,6 +258,8 @@ class DSparkDraft(nnx.Module):
                     slots=slots,
                     interpret=interpret,
                 )
+                # with the attention kernels, the q/k norms and RoPE run as one kernel too
+                project = functools.partial(project_qkv, interpret=interpret)
                 x = layer.with_attention(x, positions, attend, project_fn=project)
             else:
                 k, v = ctx_k[i], ctx_v[i]  # [N, C, KVH, D]

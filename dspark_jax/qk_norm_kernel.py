@@ -72,9 +72,10 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, n
 
     norm_rope(0, nh, qw_ref, q_ref)
     norm_rope(nh, kvh, kw_ref, k_ref)
-    for upper in (False, True):
+    for upper in (False, True):  # the values, copied
         idx, mask = _heads(b, s, nh + kvh, kvh, half, upper)
-        _store(v_ref, _heads(b, s, 0, kvh, half, upper)[0], _load(qkv_ref, idx, mask), mask)
+        out_idx, _ = _heads(b, s, 0, kvh, half, upper)
+        _store(v_ref, out_idx, _load(qkv_ref, idx, mask), mask)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret"))
