@@ -117,6 +117,9 @@ def qk_norm_rope(
             "even and cos, sin [B, S, D/2]"
         )
     qkv4 = qkv.reshape(b, s, heads, dim)
+    room = num_heads + num_kv_heads + _pow2(num_kv_heads)  # the values' padded tile must lie inside
+    if room > heads:  # KVH not a power of two: zero heads appended (the padding is masked anyway)
+        qkv4 = jnp.pad(qkv4, ((0, 0), (0, 0), (0, room - heads), (0, 0)))
     out_shape = [
         jax.ShapeDtypeStruct((b, s, num_heads, dim), qkv.dtype),
         jax.ShapeDtypeStruct((b, s, num_kv_heads, dim), qkv.dtype),

@@ -21,7 +21,8 @@ def _layer_inputs(heads, kv_heads, head_dim, seed=1):
     return cfg, draft, x, positions
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 2, 16), (40, 8, 64)])  # 6, 40: padded heads
+# 6 and 40 query heads, 3 key/value heads: padded (masked) head tiles
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 2, 16), (6, 3, 16), (40, 8, 64)])
 def test_kernel_matches_the_xla_projection_and_the_float64_reference(heads, kv_heads, head_dim):
     cfg, draft, x, positions = _layer_inputs(heads, kv_heads, head_dim)
     attn = draft.layers[0].self_attn
