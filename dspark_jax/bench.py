@@ -195,7 +195,7 @@ def round_cost(cfg: DraftConfig, batch: int, context: int, *, folded_sampling: b
     Counted: the layer weights, the lm_head and the embedding rows once; ``markov_w2``
     once per walk step (78 MB at the 8B shapes, more than an H200's 60 MB L2, and each
     step needs the previous step's token); the context keys and values of ``context``
-    positions per request; the corrected logits ``[B, γ, V]`` float32 written when the
+    positions per request; the corrected logits ``[B, γ, V]`` (model dtype) written when the
     round folds sampling. Norms, RoPE and the confidence head are negligible.
 
     Returns:
@@ -213,7 +213,7 @@ def round_cost(cfg: DraftConfig, batch: int, context: int, *, folded_sampling: b
         "markov_w2": g * v * r * item,
         "context_kv": 2 * cfg.num_hidden_layers * batch * context * kvh * d * act,
         "embed_rows": rows * h * item,
-        "corrected_logits": batch * g * v * 4 if folded_sampling else 0,
+        "corrected_logits": batch * g * v * act if folded_sampling else 0,
     }
     keys = context + cfg.num_query_rows
     parts_flops = {

@@ -122,7 +122,7 @@ def draft_round(
       fold_sampling: False runs the greedy-only program.
 
     Returns:
-      ``(tokens [B, γ] int64, corrected [B, γ, V] float32 (or [B, γ, 0]), confidence [B, γ])``.
+      ``(tokens [B, γ] int64, corrected [B, γ, V] in the model dtype (or [B, γ, 0]), confidence [B, γ])``.
     """
     d = m.d
     b = bonus.shape[0]
@@ -157,18 +157,19 @@ def draft_round(
     for step in range(g_len):
         prevs.append(prev)
         logits = base[:, step].float() + F.linear(m.w1[prev], m.w2).float()  # [B, V]
-        if fold_sampling:
+        if fold_sampling:  # kept in the model dtype; sampling rows race on the kept values
+            kept = logits.to(base.dtype)
             noise = torch.empty_like(logits).exponential_()
-            raced = logits / temps[:, None] - noise.log()
+            raced = kept.float() / temps[:, None] - noise.log()
             prev = torch.where(greedy[:, None], logits, raced).argmax(-1)
-            corrected.append(logits)
+            corrected.append(kept)
         else:
             prev = logits.argmax(-1)
         tokens.append(prev)
     prev_embed = m.w1[torch.stack(prevs, dim=1)]  # [B, γ, r]
     conf_in = torch.cat([hidden.float(), prev_embed.float()], dim=-1)
     confidence = torch.sigmoid(F.linear(conf_in, m.conf_w, m.conf_b))[..., 0]
-    corrected_t = torch.stack(corrected, dim=1) if fold_sampling else base.new_zeros((b, g_len, 0), dtype=torch.float32)
+    corrected_t = torch.stack(corrected, dim=1) if fold_sampling else base.new_zeros((b, g_len, 0))
     return torch.stack(tokens, dim=1), corrected_t, confidence
 
 

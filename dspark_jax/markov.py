@@ -159,6 +159,8 @@ def markov_walk(
     hidden: jax.Array,
     bonus: jax.Array,
     pick: TokenPicker,
+    *,
+    keep_dtype: jnp.dtype = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
     """Walks the block left to right, adding each slot's Markov bias, then picking.
 
@@ -168,16 +170,17 @@ def markov_walk(
       hidden: ``[B, γ, H]`` draft hidden states.
       bonus: ``[B]`` the anchor token (``prev`` of step 0).
       pick: chooses step ``k``'s tokens from its corrected float32 logits.
+      keep_dtype: the dtype the corrected logits are returned in (rounded from float32).
 
     Returns:
-      ``(tokens [B, γ] int32, corrected [B, γ, V] float32)``.
+      ``(tokens [B, γ] int32, corrected [B, γ, V] keep_dtype)``.
     """
     batch = base_logits.shape[0]
     if head is None:
-        corrected = base_logits.astype(jnp.float32)
-        steps = jnp.arange(corrected.shape[1])
-        tokens = jax.vmap(pick, in_axes=(0, 1), out_axes=1)(steps, corrected)
-        return tokens.astype(jnp.int32), corrected
+        logits = base_logits.astype(jnp.float32)
+        steps = jnp.arange(logits.shape[1])
+        tokens = jax.vmap(pick, in_axes=(0, 1), out_axes=1)(steps, logits)
+        return tokens.astype(jnp.int32), logits.astype(keep_dtype)
 
     def body(carry, inputs):
         state, prev = carry
@@ -185,7 +188,7 @@ def markov_walk(
         state, bias = head.step(state, prev, h_k)
         logits = base_k.astype(jnp.float32) + bias.astype(jnp.float32)  # [B, V]
         tok = pick(k, logits).astype(jnp.int32)
-        return (state, tok), (tok, logits)
+        return (state, tok), (tok, logits.astype(keep_dtype))
 
     steps = jnp.arange(base_logits.shape[1])
     # Unrolled: γ is small; XLA then fuses across steps and runs no device-side loop.

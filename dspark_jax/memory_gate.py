@@ -3,11 +3,12 @@
 Folding sampling into the compiled draft round costs, at the largest batch bucket,
 the exponential noise ``[max_bs, V]`` float32 plus the corrected logits
 ``[max_bs, γ, V]`` that the accept step needs (``DSPARK_SPEC.md`` §3). dspark_jax keeps
-the corrected logits in float32 (``logits_itemsize = 4``), so the closed form is
-``max_bs·V·4 + max_bs·γ·V·4`` bytes. Where the fused race kernel draws the walk's noise
-(:mod:`dspark_jax.race_kernel`, GPUs), no noise array exists (``noise_itemsize = 0``): the
-closed form is then the corrected logits alone (measured on the H200 at ``max_bs`` 128: the
-sampling round's peak 544,538,624 bytes above the greedy round's, exactly ``128·7·151936·4``).
+the corrected logits in the model dtype (``logits_itemsize``: 2 for bfloat16, as the spec's
+estimate assumes), so the closed form is ``max_bs·V·4 + max_bs·γ·V·logits_itemsize`` bytes.
+Where the fused race kernel draws the walk's noise (:mod:`dspark_jax.race_kernel`, GPUs), no
+noise array exists (``noise_itemsize = 0``): the closed form is then the corrected logits
+alone (measured on the H200 at ``max_bs`` 128 while they were kept in float32: the sampling
+round's peak 544,538,624 bytes above the greedy round's, exactly ``128·7·151936·4``).
 
 ``FoldedSampling``:
 
@@ -174,7 +175,8 @@ def plan_folded_sampling(
       max_batch: the largest batch bucket.
       gamma: drafts per round.
       vocab: ``V``.
-      logits_itemsize: bytes per corrected logit (4: dspark_jax keeps them float32).
+      logits_itemsize: bytes per corrected logit: the model dtype's (dspark_jax keeps them in
+        the base logits' dtype; the default, 4, is float32's).
       noise_itemsize: bytes per noise value held in memory (4 for the XLA sampler's float32
         noise; 0 where the race kernel draws it in registers).
       free_bytes: free memory; measured with :func:`free_device_bytes` when None.

@@ -52,8 +52,10 @@ class DraftBlock:
 
     Attributes:
       draft_tokens: ``[B, γ]`` int32 drafts ``d_1 … d_γ``.
-      corrected_logits: ``[B, γ, V]`` float32 Markov-corrected step logits (before the
-        temperature); ``[B, γ, 0]`` when sampling was not folded.
+      corrected_logits: ``[B, γ, V]`` Markov-corrected step logits (before the temperature)
+        in the base logits' dtype (the model dtype): ``q = softmax(corrected / T)``, computed
+        in float32 from these values, is exactly the law the sampling rows drew from;
+        ``[B, γ, 0]`` when sampling was not folded.
       greedy_mask: ``[B]`` bool, True for rows drafted greedily.
       temperatures: ``[B]`` float32 temperatures, clamped below at 1e-5.
       confidence: ``[B, γ]`` float32 acceptance probabilities; ``[B, 0]`` when the draft
@@ -255,10 +257,12 @@ def _pick(
     greedy: jax.Array,
     keys: jax.Array | None,
     fold_sampling: bool,
+    keep_dtype: jnp.dtype,
 ) -> jax.Array:
-    """``[B]`` tokens of walk step ``step`` from its ``[B, V]`` float32 logits (argmax without folding)."""
+    """``[B]`` tokens of walk step ``step`` from its ``[B, V]`` float32 logits (argmax without
+    folding); sampling rows race on the logits rounded to ``keep_dtype``, as they are kept."""
     if fold_sampling:
-        return sample_step(logits, temps, greedy, step_keys(keys, step))
+        return sample_step(logits, temps, greedy, step_keys(keys, step), race_dtype=keep_dtype)
     return greedy_step(logits)
 
 
@@ -274,7 +278,7 @@ def _finish(
 ) -> DraftBlock:
     """The :class:`DraftBlock` of ``tokens [B, γ]``; ``corrected [B, γ, V]`` is dropped without folding."""
     if not fold_sampling:
-        corrected = jnp.zeros((*tokens.shape, 0), jnp.float32)
+        corrected = jnp.zeros((*tokens.shape, 0), corrected.dtype)
     return DraftBlock(
         draft_tokens=tokens,
         corrected_logits=corrected,
@@ -362,9 +366,11 @@ def head_stage(
         tokens, corrected = raced_markov_walk(
             draft.markov_head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret
         )
-    else:
-        pick = functools.partial(_pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
-        tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick)
+    else:  # the corrected logits are kept in the base logits' dtype (the model dtype)
+        pick = functools.partial(
+            _pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=base.dtype
+        )
+        tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick, keep_dtype=base.dtype)
     return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
 
 
@@ -485,8 +491,9 @@ def _eager_step(graphdef, state, head_state, prev, base, hidden, temps, greedy, 
     if head is not None:
         head_state, bias = head.step(head_state, prev, hidden[:, step])
         logits = logits + bias.astype(jnp.float32)
-    tokens = _pick(step, logits, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling)
-    return head_state, tokens, logits
+    kept = base.dtype  # the corrected logits' dtype, as in the folded round
+    tokens = _pick(step, logits, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=kept)
+    return head_state, tokens, logits.astype(kept)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")

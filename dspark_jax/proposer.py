@@ -300,6 +300,7 @@ class Proposer:
             max_batch=self.max_batch,
             gamma=self.cfg.gamma,
             vocab=self.cfg.vocab_size,
+            logits_itemsize=jnp.dtype(self.cfg.jnp_dtype).itemsize,  # kept in the model dtype
             noise_itemsize=0 if in_registers else 4,
             free_bytes=self._free_bytes,
             headroom=self._headroom,
@@ -412,9 +413,10 @@ class Proposer:
     def _lower_slicer(self, rows: int, sampling: bool) -> jax.stages.Lowered:
         bucket, cfg = self.bucket(rows), self.cfg
         conf = cfg.gamma if cfg.enable_confidence_head else 0
+        vocab = cfg.vocab_size if sampling else 0  # the corrected logits, kept in the model dtype
         block = DraftBlock(
             draft_tokens=jax.ShapeDtypeStruct((bucket, cfg.gamma), jnp.int32),
-            corrected_logits=jax.ShapeDtypeStruct((bucket, cfg.gamma, cfg.vocab_size if sampling else 0), jnp.float32),
+            corrected_logits=jax.ShapeDtypeStruct((bucket, cfg.gamma, vocab), cfg.jnp_dtype),
             greedy_mask=jax.ShapeDtypeStruct((bucket,), jnp.bool_),
             temperatures=jax.ShapeDtypeStruct((bucket,), jnp.float32),
             confidence=jax.ShapeDtypeStruct((bucket, conf), jnp.float32),

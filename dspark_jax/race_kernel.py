@@ -5,8 +5,9 @@ NB = ⌈P / T⌉ programs per row.
 
 Step ``k`` of the folded walk (:func:`dspark_jax.markov.markov_walk` with
 :func:`dspark_jax.sampling.sample_step`) forms the corrected logits
-``base[:, k] + bias`` in float32, races them against fresh exponential noise (greedy rows
-take the plain argmax) and keeps them for the block's ``[B, γ, V]`` corrected logits. XLA
+``base[:, k] + bias`` in float32, keeps them in the base logits' dtype for the block's
+``[B, γ, V]`` corrected logits and races the kept values against fresh exponential noise
+(greedy rows take the plain argmax of the float32 sum). XLA
 runs that as a noise-and-race fusion that writes its scores, a reduction that reads them
 back, and, after the walk, a copy that stacks the γ steps' logits (measured on the H200 at
 batch 128: 75 + 25 µs per step and 0.27 ms for the stack). :func:`race_step` does it in one
@@ -137,15 +138,18 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, p
     low, high = pl.ds(start, tile), pl.ds(pairs + start, tile)
     lo = base_ref[b, step, low].astype(jnp.float32) + bias_ref[b, low].astype(jnp.float32)  # [T]
     hi = base_ref[b, step, high].astype(jnp.float32) + bias_ref[b, high].astype(jnp.float32)
-    corrected_ref[b, step, low] = lo
-    corrected_ref[b, step, high] = hi
+    kept_lo, kept_hi = lo.astype(corrected_ref.dtype), hi.astype(corrected_ref.dtype)  # the base logits' dtype
+    corrected_ref[b, step, low] = kept_lo
+    corrected_ref[b, step, high] = kept_hi
     index = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # pair i: tokens i and i + P
 
-    def race():
+    def race():  # on the kept values: q = softmax(kept / T) is the law of the pick
         counter = index.astype(jnp.uint32)
         w0, w1 = threefry2x32(words_ref[b, step, 0], words_ref[b, step, 1], counter, counter + np.uint32(pairs))
         t = t_ref[b]
-        return _divide(lo, t, interpret) - _log_exponential(w0), _divide(hi, t, interpret) - _log_exponential(w1)
+        s_lo = _divide(kept_lo.astype(jnp.float32), t, interpret) - _log_exponential(w0)
+        s_hi = _divide(kept_hi.astype(jnp.float32), t, interpret) - _log_exponential(w1)
+        return s_lo, s_hi
 
     s_lo, s_hi = jax.lax.cond(greedy_ref[b] != 0, lambda: (lo, hi), race)
     s_lo = jnp.where(jnp.isnan(s_lo), -jnp.inf, s_lo)
@@ -175,7 +179,7 @@ def race_step(
     Args:
       base: ``[B, γ, V]`` base logits (model dtype).
       bias: ``[B, V]`` this step's Markov bias.
-      corrected: ``[B, γ, V]`` float32 corrected logits of the earlier steps (updated in
+      corrected: ``[B, γ, V]`` corrected logits of the earlier steps, in ``base``'s dtype (updated in
         place), or ``None`` at the first step (a new buffer; its other slots are written by
         the later steps).
       temperatures: ``[B]`` float32, clamped (:func:`dspark_jax.sampling.clamp_temperatures`).
@@ -187,7 +191,8 @@ def race_step(
       interpret: run through the Pallas interpreter (any backend).
 
     Returns:
-      ``(tokens [B] int32, corrected [B, γ, V] float32)`` with slot ``k`` filled.
+      ``(tokens [B] int32, corrected [B, γ, V] in base's dtype)`` with slot ``k`` filled;
+      sampling rows race on the kept (rounded) values, greedy rows take the float32 argmax.
     """
     batch, gamma, vocab = base.shape
     if not race_supported(vocab):
@@ -199,6 +204,11 @@ def race_step(
     whole = lambda shape: pl.BlockSpec(shape, lambda b, j: (0,) * len(shape))  # noqa: E731 - read in place
     if key_words.shape != (batch, gamma, 2):
         raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
+    if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
+        raise ValueError(
+            f"corrected has shape {corrected.shape} and dtype {corrected.dtype}: must be base's, "
+            f"{base.shape} {base.dtype} (the corrected logits are kept in the base logits' dtype)"
+        )
     in_specs = [
         whole((1,)),
         whole((batch,)),
@@ -232,7 +242,7 @@ def race_step(
         in_specs=in_specs,
         out_specs=[whole((batch, gamma, vocab)), one, one],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, gamma, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
             jax.ShapeDtypeStruct((batch, blocks), jnp.float32),
             jax.ShapeDtypeStruct((batch, blocks), jnp.int32),
         ],
@@ -281,7 +291,8 @@ def raced_markov_walk(
       interpret: run the kernel through the Pallas interpreter.
 
     Returns:
-      ``(tokens [B, γ] int32, corrected [B, γ, V] float32)``, equal to the XLA walk's.
+      ``(tokens [B, γ] int32, corrected [B, γ, V] in base_logits' dtype)``, equal to the XLA
+      walk's (:func:`dspark_jax.markov.markov_walk` with ``keep_dtype = base_logits.dtype``).
     """
     batch, gamma = base_logits.shape[:2]
     state, prev = head.init_state(batch), bonus.astype(jnp.int32)

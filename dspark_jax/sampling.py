@@ -247,6 +247,8 @@ def sample_step(
     temperatures: jax.Array,
     greedy_mask: jax.Array,
     noise_keys: jax.Array,
+    *,
+    race_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """Picks one token per row: greedy argmax or the exponential race.
 
@@ -257,6 +259,10 @@ def sample_step(
       greedy_mask: ``[B]`` bool, True for greedy rows (they never read the noise).
       noise_keys: this step's keys: typed ``[B]`` (see :func:`step_keys`), or any key
         form :func:`row_keys` accepts.
+      race_dtype: the dtype the caller keeps the logits in for the acceptance test: sampling
+        rows race on ``logits`` rounded to it (so ``q = softmax(kept / T)`` is exactly the law
+        of their tokens); greedy rows take the argmax of ``logits`` as given. None: no
+        rounding.
 
     Returns:
       ``[B]`` int32 token ids.
@@ -266,14 +272,16 @@ def sample_step(
     pairs = (vocab + 1) // 2
     t = clamp_temperatures(temperatures)[:, None]  # [B, 1]
     keys = row_keys(noise_keys, batch)
+    kept = logits if race_dtype is None else logits.astype(race_dtype).astype(jnp.float32)
     # Odd V: a -inf column completes the last pair; it never beats a real token (ties go to lower ids).
-    logits = jnp.pad(logits, ((0, 0), (0, 2 * pairs - vocab)), constant_values=-jnp.inf)  # [B, 2P]
+    logits, kept = (jnp.pad(x, ((0, 0), (0, 2 * pairs - vocab)), constant_values=-jnp.inf) for x in (logits, kept))
     low_words, high_words = _block_words(keys, pairs)  # [B, P] each
 
-    def scores(half, words):  # [B, P]
-        raced = half / t - _log_exponential(words)
+    def scores(half, kept_half, words):  # [B, P]
+        raced = kept_half / t - _log_exponential(words)
         picked = jnp.where(greedy_mask[:, None], half, raced)
         # NaN (from NaN logits or inf / inf) counts as -inf, so an all -inf row picks token 0.
         return jnp.where(jnp.isnan(picked), -jnp.inf, picked)
 
-    return _argmax_of_halves(scores(logits[:, :pairs], low_words), scores(logits[:, pairs:], high_words))
+    low = scores(logits[:, :pairs], kept[:, :pairs], low_words)
+    return _argmax_of_halves(low, scores(logits[:, pairs:], kept[:, pairs:], high_words))

@@ -134,14 +134,19 @@ def hf_params(draft: DSparkDraft) -> dict[str, np.ndarray]:
     return out
 
 
-def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas")) -> tuple:
+TINY_ROUND_SEED = 2
+"""The key seed of :func:`tiny_rounds_per_choice`'s rounds (``jax.random.key(TINY_ROUND_SEED)``)."""
+
+
+def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas"), *, eager: bool = False) -> tuple:
     """The folded round of the bf16 tiny preset (4 rows, mixed greedy / sampling, contexts of
-    20, 0, 33 and 41 tokens), traced afresh under each value of environment ``variable``.
+    20, 0, 33 and 41 tokens), traced afresh under each value of environment ``variable``;
+    with ``eager``, also the eager round (``propose_eager``) under the key ``"eager"``.
 
     Returns:
       ``(cfg, {choice: DraftBlock})``.
     """
-    from dspark_jax import bench, propose
+    from dspark_jax import bench, propose, propose_eager
     from dspark_jax.presets import load_preset
 
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
@@ -150,9 +155,12 @@ def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas")
     bonus = jnp.array([3, 7, 11, 0], jnp.int32)
     lens = jnp.array([20, 0, 33, 41], jnp.int32)
     temps, top_k = bench.sampling_params(4, "mixed")
+    key = jax.random.key(TINY_ROUND_SEED)
     blocks = {}
     for choice in choices:
         monkeypatch.setenv(variable, choice)
         step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
-        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, jax.random.key(2))
+        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, key)
+    if eager:
+        blocks["eager"] = propose_eager(nnx.merge(graphdef, state), cache, bonus, lens, temps, top_k, key)
     return cfg, blocks

@@ -103,15 +103,18 @@ def test_gate_counts_no_noise_array_where_the_race_kernel_draws_the_noise(monkey
     interpreter, or without a Markov head (no race), the float32 noise array counts too."""
     markov = tiny_config(**CFG)
     plain = tiny_config(**CFG, markov_rank=0, confidence_head_with_markov=False)
+    half = tiny_config(**CFG, dtype="bfloat16", param_dtype="bfloat16")  # logits kept in bf16: 2 bytes
     for choice, cfg, noise in (
         ((True, False), markov, False),
         ((True, True), markov, True),
         ((True, False), plain, True),
+        ((True, False), half, False),
     ):
         monkeypatch.setattr("dspark_jax.proposer.use_race_kernel", lambda vocab, choice=choice: choice)
         proposer = Proposer(random_draft(cfg, seed=3), max_batch=4, capacity=CAPACITY, folded_sampling="force")
-        want = 4 * cfg.gamma * cfg.vocab_size * 4 + (4 * cfg.vocab_size * 4 if noise else 0)
-        assert proposer.gate.closed_form_bytes == want, (choice, cfg.markov_rank)
+        itemsize = 2 if cfg is half else 4
+        want = 4 * cfg.gamma * cfg.vocab_size * itemsize + (4 * cfg.vocab_size * 4 if noise else 0)
+        assert proposer.gate.closed_form_bytes == want, (choice, cfg.markov_rank, cfg.dtype)
 
 
 def test_auto_gate_short_of_memory_warns_and_samples_eagerly(forced):

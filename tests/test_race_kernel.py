@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_testing import tiny_rounds_per_choice
+from draft_testing import TINY_ROUND_SEED, tiny_rounds_per_choice
 from jax.extend.random import threefry_2x32
 
 from dspark_jax import sampling as S
@@ -48,9 +48,10 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(words[:, step]), np.asarray(S._key_words(S.step_keys(keys, step))))
         tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step, interpret=True)
         logits = base[:, step].astype(jnp.float32) + bias[step].astype(jnp.float32)
-        want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step))
+        want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step), race_dtype=base.dtype)
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
-        np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits))
+        assert corrected.dtype == base.dtype  # kept in the base logits' dtype, rounded from float32
+        np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
 
 
 def test_ties_nan_and_all_minus_inf_rows():
@@ -89,16 +90,30 @@ def test_race_choice_support_and_bad_vocab(monkeypatch):
     base = jnp.zeros((1, 3, 512), jnp.float32)
     with pytest.raises(ValueError, match=r"key_words has shape \(1, 2\): must be \(B, γ, 2\) = \(1, 3, 2\)"):
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 2), jnp.uint32), 0)
+    words = jnp.zeros((1, 3, 2), jnp.uint32)
+    with pytest.raises(ValueError, match=r"corrected has shape \(1, 3, 512\) and dtype float32: must be base's"):
+        race_step(base.astype(jnp.bfloat16), base[:, 0], base, jnp.ones(1), jnp.ones(1, bool), words, 0)
 
 
 def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch):
-    """The whole folded round, bf16 tiny draft: same tokens and confidence; corrected logits
-    within bf16 rounding (inside one program XLA may keep the bf16 logits GEMMs' outputs in
-    float32, while the kernel reads them as stored)."""
-    cfg, blocks = tiny_rounds_per_choice(monkeypatch, RACE_ENV)  # greedy and sampling rows
+    """The whole folded round, bf16 tiny draft: same tokens and confidence as the XLA walk and
+    the eager round; corrected logits kept in bf16, within bf16 rounding of each other (inside
+    one program XLA may keep the bf16 logits GEMMs' outputs in float32, while the kernel reads
+    them as stored); each sampling row's tokens are the race on the kept logits."""
+    cfg, blocks = tiny_rounds_per_choice(monkeypatch, RACE_ENV, eager=True)  # greedy and sampling rows
     a, b = blocks["xla"], blocks["pallas"]
     for name in ("draft_tokens", "confidence", "greedy_mask"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+    np.testing.assert_array_equal(np.asarray(blocks["eager"].draft_tokens), np.asarray(a.draft_tokens))
+    keys = S.row_keys(jax.random.key(TINY_ROUND_SEED), 4)
+    for block in blocks.values():
+        assert block.corrected_logits.dtype == jnp.bfloat16
+        sampling = ~np.asarray(block.greedy_mask)
+        assert sampling.any() and not sampling.all()
+        for k in range(cfg.gamma):  # replay step k's race on the returned (kept) logits
+            step = (block.corrected_logits[:, k], block.temperatures, block.greedy_mask, S.step_keys(keys, k))
+            again = np.asarray(S.sample_step(*step))
+            np.testing.assert_array_equal(again[sampling], np.asarray(block.draft_tokens)[sampling, k])
     la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
     assert la.shape == lb.shape == (4, cfg.gamma, cfg.vocab_size)
     np.testing.assert_allclose(lb, la, rtol=0, atol=2.0**-8 * np.abs(la).max())

@@ -217,6 +217,28 @@ def test_typed_keys_of_wrong_batch_raise():
         row_keys(jax.random.split(jax.random.key(0), 3), 4)
 
 
+def test_sampling_rows_race_on_the_kept_logits_greedy_rows_take_the_float32_argmax():
+    """``race_dtype``: a sampling row's law is ``softmax(kept / T)`` for the logits as kept."""
+    n, v = 4000, 16
+    row = np.full(v, -30.0, np.float32)
+    row[0], row[1] = 8.0, 8.01  # two float32 values, one bfloat16 value (its unit is 1/16 at 8)
+    kept = np.asarray(jnp.asarray(row, jnp.bfloat16).astype(jnp.float32))
+    assert kept[0] == kept[1] != row[1]
+    temps, greedy = np.full(n, 1e-3, np.float32), np.arange(n) % 2 == 0
+    key = jax.random.key(5)
+    got = np.asarray(sample_step(np.broadcast_to(row, (n, v)), temps, greedy, key, race_dtype=jnp.bfloat16))
+    on_kept = np.asarray(sample_step(np.broadcast_to(kept, (n, v)), temps, greedy, key))
+    plain = np.asarray(sample_step(np.broadcast_to(row, (n, v)), temps, greedy, key))
+    # Sampling rows: exactly the race on the kept values, a fair coin between the tied tokens
+    # (|share − ½| < 0.05: over 6 standard deviations for 2000 rows) ...
+    np.testing.assert_array_equal(got[~greedy], on_kept[~greedy])
+    assert abs(np.mean(got[~greedy] == 0) - 0.5) < 0.05
+    # ... where the float32 race picks token 1 but with odds e^-10.
+    assert np.mean(plain[~greedy] == 1) > 0.99
+    # Greedy rows: the float32 argmax, not the kept values' lowest tied id.
+    assert (got[greedy] == 1).all() and (on_kept[greedy] == 0).all()
+
+
 def test_sample_step_is_float32_for_low_precision_logits():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((8, 40)), jnp.bfloat16)
     got = _sample(logits, np.ones(8, np.float32), np.ones(8, bool), jax.random.key(0))
