@@ -233,7 +233,7 @@ def test_sampling_rows_race_on_the_kept_logits_greedy_rows_take_the_float32_argm
     # (|share − ½| < 0.05: over 6 standard deviations for 2000 rows) ...
     np.testing.assert_array_equal(got[~greedy], on_kept[~greedy])
     assert abs(np.mean(got[~greedy] == 0) - 0.5) < 0.05
-    # ... where the float32 race picks token 1 but with odds e^-10.
+    # ... where the float32 race all but always picks token 1 (token 0 at odds of e^-10).
     assert np.mean(plain[~greedy] == 1) > 0.99
     # Greedy rows: the float32 argmax, not the kept values' lowest tied id.
     assert (got[greedy] == 1).all() and (on_kept[greedy] == 0).all()
