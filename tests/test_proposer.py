@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from draft_testing import random_draft, tiny_config
 from flax import nnx
-from proposer_testing import CAPACITY, CFG, SLOTS, random_call
+from proposer_testing import CAPACITY, CFG, SLOTS, make_cache, random_call
 
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
@@ -96,6 +96,30 @@ def test_gate_reports_closed_form_and_compiled_estimates(forced):
     assert gate.closed_form_bytes == noise + 4 * cfg.gamma * cfg.vocab_size * 4
     # The sampling executable returns the [max_bs, γ, V] float32 logits the greedy one does not.
     assert gate.compiled_bytes is not None and gate.compiled_bytes >= 4 * cfg.gamma * cfg.vocab_size * 4
+
+
+def test_bf16_draft_keeps_bf16_logits_through_the_padded_bucket_and_its_slicer():
+    """A bf16 draft (not precompiled): 3 rows run in bucket 4 and are sliced back with their
+    corrected logits still bf16 (the bucket's own rows, bit for bit); the tokens equal plain
+    ``propose`` on the gathered rows (whose bf16 logits, from another program, may differ by
+    rounding)."""
+    draft = random_draft(tiny_config(**CFG, dtype="bfloat16", param_dtype="bfloat16"), seed=4)
+    cache = make_cache(draft)
+    proposer = Proposer(draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force")
+    args = random_call(np.random.default_rng(6), draft.cfg.vocab_size, 3)
+    args["temperatures"], args["top_k"] = np.array([0.0, 0.9, 1.4], np.float32), np.array([1, TOP_K_ALL, 50])
+    key = jax.random.key(8)
+    block = proposer(cache, **args, key=key)
+    proposer.unpad = False
+    bucket = proposer(cache, **args, key=key)
+    assert block.corrected_logits.dtype == bucket.corrected_logits.dtype == jnp.bfloat16
+    assert block.corrected_logits.shape == (3, draft.cfg.gamma, draft.cfg.vocab_size)
+    assert bucket.corrected_logits.shape[0] == 4
+    np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(bucket.corrected_logits)[:3])
+    slots = args.pop("slots")
+    rows = jax.tree.map(lambda x: x[:, slots], cache)
+    direct = jax.jit(propose, static_argnums=0)(*nnx.split(draft), rows, **args, key=key)
+    np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(direct.draft_tokens))
 
 
 def test_gate_counts_no_noise_array_where_the_race_kernel_draws_the_noise(monkeypatch):
