@@ -1,0 +1,66 @@
+"""Every Pallas kernel lowers to Triton for CUDA on any backend, the CPU CI's included.
+
+``jax.export`` with ``platforms=["cuda"]`` runs the Pallas → Triton lowering without a GPU,
+so a primitive the Triton lowering lacks (a boolean ``any`` reduction, say) fails here
+rather than on the first GPU run. Not covered: Triton's own compilation to PTX and the
+kernels' numbers (the interpreter tests and the H200 runs check those).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from dspark_jax.attention_kernel import attend_block
+from dspark_jax.qk_norm_kernel import qk_norm_rope
+from dspark_jax.race_kernel import race_step
+
+TRITON = "__gpu$xla.gpu.triton"
+S = jax.ShapeDtypeStruct
+
+
+def triton_calls_for_cuda(fn, *args) -> int:
+    """Lowers ``fn`` for CUDA (Pallas kernels through Triton) and counts its Triton calls."""
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+    return exported.mlir_module().count(f"@{TRITON}(")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_race_step_lowers_for_cuda(dtype):
+    b, g, v = 8, 7, 1024
+    rows = [S((b,), jnp.float32), S((b,), jnp.bool_), S((b, g, 2), jnp.uint32)]
+
+    def first(base, bias, t, greedy, words):  # a new corrected buffer
+        return race_step(base, bias, None, t, greedy, words, 0)
+
+    def later(base, bias, corrected, t, greedy, words):  # the buffer aliased in place
+        return race_step(base, bias, corrected, t, greedy, words, 3)
+
+    assert triton_calls_for_cuda(first, S((b, g, v), dtype), S((b, v), dtype), *rows) == 1
+    assert triton_calls_for_cuda(later, S((b, g, v), dtype), S((b, v), dtype), S((b, g, v), dtype), *rows) == 1
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 3)])  # 3 KV heads: the padded tiles
+def test_qk_norm_rope_lowers_for_cuda(heads, kv_heads):
+    b, s, d = 2, 8, 64
+
+    def fn(qkv, qw, kw, cos, sin):
+        return qk_norm_rope(qkv, qw, kw, cos, sin, num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
+
+    args = [S((b, s, (heads + 2 * kv_heads) * d), jnp.bfloat16), S((d,), jnp.bfloat16), S((d,), jnp.bfloat16)]
+    assert triton_calls_for_cuda(fn, *args, S((b, s, d // 2), jnp.float32), S((b, s, d // 2), jnp.float32)) == 1
+
+
+@pytest.mark.parametrize("splits, kernels", [(1, 1), (2, 2)])  # one kernel, or key ranges + merge
+def test_attend_block_lowers_for_cuda(splits, kernels):
+    b, s, nh, kvh, d, layers, slots, capacity = 2, 8, 4, 2, 64, 2, 3, 128
+
+    def fn(q, k, v, cache_k, cache_v, lens, slot):
+        kw = dict(cache_k=cache_k, cache_v=cache_v, prefix_lens=lens, layer=1, slots=slot, splits=splits)
+        return attend_block(q, k, v, **kw)
+
+    own = S((b, s, kvh, d), jnp.bfloat16)
+    cache = S((layers, slots, capacity, kvh, d), jnp.bfloat16)
+    ints = S((b,), jnp.int32)
+    assert triton_calls_for_cuda(fn, S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints) == kernels
