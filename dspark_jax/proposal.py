@@ -491,9 +491,9 @@ def _eager_step(graphdef, state, head_state, prev, base, hidden, temps, greedy, 
     if head is not None:
         head_state, bias = head.step(head_state, prev, hidden[:, step])
         logits = logits + bias.astype(jnp.float32)
-    kept = base.dtype  # the corrected logits' dtype, as in the folded round
-    tokens = _pick(step, logits, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=kept)
-    return head_state, tokens, logits.astype(kept)
+    keep = base.dtype  # the corrected logits' dtype, as in the folded round
+    tokens = _pick(step, logits, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=keep)
+    return head_state, tokens, logits.astype(keep)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="fold_sampling")

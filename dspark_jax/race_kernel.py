@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.sampling import _key_words, _log_exponential, _max_then_lowest_id, step_keys
 
@@ -201,7 +202,6 @@ def race_step(
     tile = _tile(batch, pairs)
     blocks = -(-pairs // tile)
     kernel = functools.partial(_kernel, pairs=pairs, tile=tile, interpret=interpret)
-    whole = lambda shape: pl.BlockSpec(shape, lambda b, j: (0,) * len(shape))  # noqa: E731 - read in place
     if key_words.shape != (batch, gamma, 2):
         raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
     if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
@@ -209,14 +209,7 @@ def race_step(
             f"corrected has shape {corrected.shape} and dtype {corrected.dtype}: must be base's, "
             f"{base.shape} {base.dtype} (the corrected logits are kept in the base logits' dtype)"
         )
-    in_specs = [
-        whole((1,)),
-        whole((batch,)),
-        whole((batch,)),
-        whole(key_words.shape),
-        whole(base.shape),
-        whole(bias.shape),
-    ]
+    in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), key_words.shape, base.shape, bias.shape)]
     args = [
         jnp.reshape(jnp.asarray(step, jnp.int32), (1,)),
         temperatures.astype(jnp.float32),
@@ -227,7 +220,7 @@ def race_step(
     ]
     aliases = {}
     if corrected is not None:
-        in_specs.append(whole(corrected.shape))
+        in_specs.append(_whole(corrected.shape))
         args.append(corrected)
         aliases = {len(args) - 1: 0}
     one = pl.BlockSpec((1, 1), lambda b, j: (b, j))
@@ -240,7 +233,7 @@ def race_step(
         kernel,
         grid=(batch, blocks),
         in_specs=in_specs,
-        out_specs=[whole((batch, gamma, vocab)), one, one],
+        out_specs=[_whole((batch, gamma, vocab)), one, one],
         out_shape=[
             jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
             jax.ShapeDtypeStruct((batch, blocks), jnp.float32),

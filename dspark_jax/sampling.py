@@ -272,9 +272,9 @@ def sample_step(
     pairs = (vocab + 1) // 2
     t = clamp_temperatures(temperatures)[:, None]  # [B, 1]
     keys = row_keys(noise_keys, batch)
-    kept = logits if race_dtype is None else logits.astype(race_dtype).astype(jnp.float32)
     # Odd V: a -inf column completes the last pair; it never beats a real token (ties go to lower ids).
-    logits, kept = (jnp.pad(x, ((0, 0), (0, 2 * pairs - vocab)), constant_values=-jnp.inf) for x in (logits, kept))
+    logits = jnp.pad(logits, ((0, 0), (0, 2 * pairs - vocab)), constant_values=-jnp.inf)  # [B, 2P]
+    kept = logits if race_dtype is None else logits.astype(race_dtype).astype(jnp.float32)  # -inf stays -inf
     low_words, high_words = _block_words(keys, pairs)  # [B, P] each
 
     def scores(half, kept_half, words):  # [B, P]
