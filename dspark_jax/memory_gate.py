@@ -10,6 +10,11 @@ noise array exists (``noise_itemsize = 0``): the closed form is then the correct
 alone (measured on the H200 at ``max_bs`` 128 while they were kept in float32: the sampling
 round's peak 544,538,624 bytes above the greedy round's, exactly ``128·7·151936·4``).
 
+The closed form decides before anything is compiled. Once the largest bucket's round is
+compiled, XLA's memory analysis replaces it (:func:`sampling_extra_bytes`): with bf16 logits
+the greedy round's peak is set by a backbone piece, so folding sampling raised the H200's
+peak by 192,790,272 bytes, 0.71 of the closed form's 272,269,312.
+
 ``FoldedSampling``:
 
 * ``OFF`` — greedy-only folding; sampling batches take the eager path.
@@ -91,8 +96,8 @@ class GateDecision:
 
     @property
     def needed_bytes(self) -> int:
-        """The estimate the gate compares: the larger of the two when both exist."""
-        return max(self.closed_form_bytes, self.compiled_bytes or 0)
+        """The estimate the gate compares: XLA's once the round is compiled, else the closed form."""
+        return self.closed_form_bytes if self.compiled_bytes is None else self.compiled_bytes
 
 
 def closed_form_bytes(
@@ -127,33 +132,41 @@ def free_device_bytes(device: Any = None) -> int | None:
         return None
 
 
-def _temp_and_output(compiled: Any) -> tuple[int, int] | None:
+def _footprint(compiled: Any) -> int | None:
+    """Bytes an executable allocates while it runs: its scratch area plus its outputs that
+    do not reuse a donated argument (XLA gives both their own buffers, live at once)."""
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError, AttributeError):
         return None
     if stats is None:
         return None
-    return int(stats.temp_size_in_bytes), int(stats.output_size_in_bytes)
+    aliased = int(getattr(stats, "alias_size_in_bytes", 0) or 0)
+    return int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes) - aliased
 
 
-def sampling_extra_bytes(sampling: Any, greedy: Any) -> int | None:
-    """What the sampling executable needs beyond the greedy-only one, per XLA's memory analysis.
+def sampling_extra_bytes(sampling: Any, greedy: Any, others: tuple[Any, ...] = ()) -> int | None:
+    """What folding sampling adds to a round's peak memory, per XLA's memory analysis.
 
-    The outputs' difference (the ``[B, γ, V]`` float32 corrected logits) plus the
-    temporaries' difference when positive: XLA's buffer assignment can give the larger
-    program a smaller scratch area, and that must not cancel the outputs it allocates.
+    Each executable of a round allocates its footprint (scratch area + fresh outputs) while
+    it runs, and the round's peak is the largest footprint of the programs it runs one after
+    another: the backbone pieces (``others``), then the head. So sampling adds
+    ``footprint(sampling head) − max(footprint(greedy head), footprints of others)``, at
+    least 0. On the H200 at the 8B shapes and ``max_bs`` 128 (bf16 logits) the sampling
+    head's outputs grow by 272,269,312 bytes (the corrected logits), yet the device's peak
+    grew by 192,790,272: the greedy round's peak is already set by a backbone piece.
 
     Args:
-      sampling, greedy: the two compiled rounds of one bucket.
+      sampling, greedy: the two compiled heads of one bucket (or the two whole rounds).
+      others: the other executables the round runs in sequence (the backbone pieces).
 
     Returns:
-      Bytes (≥ 0), or None when either executable reports no memory analysis.
+      Bytes (≥ 0), or None when any executable reports no memory analysis.
     """
-    s, g = _temp_and_output(sampling), _temp_and_output(greedy)
-    if s is None or g is None:
+    footprints = [_footprint(c) for c in (sampling, greedy, *others)]
+    if None in footprints:
         return None
-    return max(s[1] - g[1], 0) + max(s[0] - g[0], 0)
+    return max(footprints[0] - max(footprints[1:]), 0)
 
 
 def plan_folded_sampling(
@@ -196,7 +209,7 @@ def plan_folded_sampling(
 
 
 def _decide(mode: FoldedSampling, closed: int, compiled: int | None, free: int | None, headroom: int) -> GateDecision:
-    needed = max(closed, compiled or 0)
+    needed = closed if compiled is None else compiled
     if mode is FoldedSampling.OFF:
         enabled, reason = False, "OFF: greedy-only folding; sampling batches run eagerly"
     elif mode is FoldedSampling.FORCE:

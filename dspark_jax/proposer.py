@@ -50,6 +50,7 @@ import concurrent.futures
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -514,7 +515,8 @@ class Proposer:
         if measure:
             # The backbone pieces are shared: the heads alone differ between the modes.
             heads = self._programs["head", top, True].compiled, self._programs["head", top, False].compiled
-            extra = sampling_extra_bytes(*heads)
+            pieces = tuple(self._programs["piece", top, start, stop].compiled for start, stop in self._split.ranges)
+            extra = sampling_extra_bytes(*heads, pieces)
             self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
             if not self.gate.enabled:
                 del self._programs["head", top, True]
@@ -630,16 +632,32 @@ class Proposer:
         if sampling and not self.gate.enabled:
             block = self._run_eager(bucket, cache, packed, key)
         else:
-            # NumPy in: the first piece copies it to the device on its own C++ path and hands
-            # the device copy on (one transfer, no Python jax.device_put before the launch)
-            x = None
-            for start, stop in self._split.ranges:
-                piece = self._program(("piece", bucket, start, stop))
-                x = piece(self._sub_leaves["piece", start, stop], x, cache, packed)
-                if start == 0:
-                    x, packed = x
-            head = self._program(("head", bucket, sampling))
-            block = head(self._sub_leaves["head", sampling], x, packed, key)
+            block = self._folded_round(bucket, cache, packed, key, sampling)
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)
+
+    def _folded_round(
+        self,
+        bucket: int,
+        cache: ContextCache,
+        packed: np.ndarray,
+        key: jax.Array,
+        sampling: bool,
+        run: Callable[..., Any] | None = None,
+    ) -> DraftBlock:
+        """The compiled round of a bucket: the backbone pieces, then the mode's head.
+
+        ``run(program, *args)``, when given, makes each call (the bench wraps it to measure
+        each program's own peak memory).
+        """
+        # NumPy in: the first piece copies it to the device on its own C++ path and hands
+        # the device copy on (one transfer, no Python jax.device_put before the launch)
+        x = None
+        for start, stop in self._split.ranges:
+            piece, leaves = self._program(("piece", bucket, start, stop)), self._sub_leaves["piece", start, stop]
+            x = piece(leaves, x, cache, packed) if run is None else run(piece, leaves, x, cache, packed)
+            if start == 0:
+                x, packed = x
+        head, leaves = self._program(("head", bucket, sampling)), self._sub_leaves["head", sampling]
+        return head(leaves, x, packed, key) if run is None else run(head, leaves, x, packed, key)

@@ -118,3 +118,76 @@ def test_time_calls_interleaves_rounds_and_merges_their_samples():
         assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"] and stats["pipelined_ms"] > 0
     with pytest.raises(ValueError, match="rounds >= 1 and iters >= 1, got rounds=0"):
         bench.time_calls({"a": make("a")}, iters=5, rounds=0)
+
+
+def test_table_states_the_gate_prediction_against_the_measured_peak():
+    """The gate line (from a precompile run's measured peaks) gives the signed error."""
+    memory = {"batch": 128, "in_use_before_bytes": 6_500_000_000, "greedy_round_peak_bytes": 440_000_000}
+    memory |= {"sampling_round_peak_bytes": 640_000_000, "sampling_extra_bytes": 200_000_000}
+    gate = {"closed_form_bytes": 272_000_000, "compiled_bytes": 210_000_000, "needed_bytes": 210_000_000}
+    cached = {"workers": 8, "buckets": [], "rest_seconds": 2.0, "total_seconds": 2.0, "process_seconds": 9.0}
+    result = {"compile": {"cached": {**cached, "gate": gate, "memory": memory}}}
+    [line] = [x for x in bench.format_table(result).splitlines() if x.startswith("memory gate")]
+    assert "adds 0.200 GB" in line and "greedy 0.440 GB, sampling 0.640 GB" in line
+    assert "gate predicts 0.210 GB (+5.0 % of the measured" in line
+    assert "closed form 0.272 GB, XLA's estimate 0.210 GB" in line
+
+
+def test_own_peak_sees_a_call_below_an_earlier_larger_peak(monkeypatch):
+    """A fake allocator: an earlier transient left the peak at 1000 with 600 in use. A call
+    that needs 150 more would not move the peak; with ballast it raises it by exactly 150."""
+    state = {"bytes_in_use": 600, "peak_bytes_in_use": 1000}
+    monkeypatch.setattr(bench, "_memory_stat", state.get)
+
+    def allocate(nbytes):
+        state["bytes_in_use"] += nbytes
+        state["peak_bytes_in_use"] = max(state["peak_bytes_in_use"], state["bytes_in_use"])
+        return nbytes
+
+    def call(need):
+        def run():
+            state["peak_bytes_in_use"] = max(state["peak_bytes_in_use"], state["bytes_in_use"] + need)
+            return jax.numpy.zeros(())
+
+        return run
+
+    small, ballast = bench._own_peak(call(150), [], allocate)
+    assert (small, ballast, state["bytes_in_use"]) == (150, [400], 1000)
+    large, ballast = bench._own_peak(call(420), ballast, allocate)
+    assert (large, ballast, state["bytes_in_use"]) == (420, [400, 150], 1150)
+    monkeypatch.setattr(bench, "_memory_stat", lambda name: None)
+    made = []
+    assert bench._own_peak(lambda: made.append(1) or jax.numpy.zeros(()), [], allocate) == (None, [])
+    assert made == [1]  # no statistics: the call is still made
+
+
+def test_round_peak_is_the_largest_program_each_at_its_least():
+    # two programs (a piece, a head), three rounds each; the allocator only ever adds
+    peaks = {"greedy": [100, 360, 150, 440, 100, 352], "sampling": [100, 624, 148, 625, 101, 700]}
+    out = bench.round_peaks(peaks, programs=2)
+    assert out == {"greedy_round_peak_bytes": 352, "sampling_round_peak_bytes": 624, "sampling_extra_bytes": 272}
+    # a piece larger than the greedy head sets the greedy round's peak
+    out = bench.round_peaks({"greedy": [400, 350], "sampling": [400, 624]}, programs=2)
+    assert out["sampling_extra_bytes"] == 224
+    unknown = bench.round_peaks({"greedy": [None, 3], "sampling": [1, 2]}, programs=2)
+    assert unknown["greedy_round_peak_bytes"] is None and unknown["sampling_extra_bytes"] is None
+
+
+def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
+    """The precompile run's memory measurement, with a stand-in for the device's statistics:
+    each program's "own peak" is the bytes of what it returns."""
+
+    def own_peak(call, ballast, allocate=None):
+        result = jax.block_until_ready(call())
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(result)), ballast
+
+    monkeypatch.setattr(bench, "_own_peak", own_peak)
+    out = bench._compile_worker(bench.SHAPES["tiny"], 1, workers=1, measure_memory=True)
+    mem, cfg = out["memory"], bench.draft_config(bench.SHAPES["tiny"])
+    programs = len(out["memory"]["greedy_program_peaks_bytes"]) // bench.MEMORY_REPEATS
+    assert programs >= 2 and len(mem["sampling_program_peaks_bytes"]) == programs * bench.MEMORY_REPEATS
+    corrected = cfg.gamma * cfg.vocab_size * np.dtype(cfg.jnp_dtype).itemsize  # one row's corrected logits
+    heads = [mem[f"{mode}_program_peaks_bytes"][programs - 1] for mode in ("sampling", "greedy")]
+    assert heads[0] - heads[1] == corrected  # the heads' outputs differ by the corrected logits alone
+    assert mem["sampling_round_peak_bytes"] - mem["greedy_round_peak_bytes"] == mem["sampling_extra_bytes"] > 0
+    assert out["gate"]["enabled"] and out["gate"]["needed_bytes"] == out["gate"]["compiled_bytes"]

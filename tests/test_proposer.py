@@ -94,8 +94,43 @@ def test_gate_reports_closed_form_and_compiled_estimates(forced):
     kernel, interpret = use_race_kernel(cfg.vocab_size)
     noise = 0 if kernel and not interpret else 4 * cfg.vocab_size * 4  # the race kernel draws it in registers
     assert gate.closed_form_bytes == noise + 4 * cfg.gamma * cfg.vocab_size * 4
-    # The sampling executable returns the [max_bs, γ, V] float32 logits the greedy one does not.
-    assert gate.compiled_bytes is not None and gate.compiled_bytes >= 4 * cfg.gamma * cfg.vocab_size * 4
+    # XLA's estimate: how much the sampling head's footprint (scratch + outputs) exceeds the
+    # largest footprint of the greedy round's programs (its head and the backbone pieces).
+    top = proposer.buckets[-1]
+
+    def footprint(name):
+        stats = proposer._programs[name].compiled.memory_analysis()
+        return stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+
+    heads = footprint(("head", top, True)), footprint(("head", top, False))
+    pieces = [footprint(("piece", top, start, stop)) for start, stop in proposer._split.ranges]
+    # the sampling head returns the [max_bs, γ, V] float32 logits the greedy one does not
+    assert heads[0] - heads[1] >= 4 * cfg.gamma * cfg.vocab_size * 4
+    assert gate.compiled_bytes == max(heads[0] - max(heads[1], *pieces), 0)
+    assert gate.needed_bytes == gate.compiled_bytes
+
+
+def test_folded_round_hook_sees_each_program_and_changes_nothing(forced):
+    """The bench's hook into the round (each program's own peak) calls the same programs."""
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(5), draft.cfg.vocab_size, 4)
+    args["temperatures"] = np.full(4, 0.9, np.float32)
+    args["top_k"] = np.full(4, TOP_K_ALL)
+    key = jax.random.key(7)
+    whole = proposer(cache, **args, key=key)
+    packed, packed_key = proposer._pack_inputs(
+        4, *(args[k] for k in ("bonus", "prefix_lens")), args["temperatures"], args["top_k"], key, args["slots"]
+    )
+    seen = []
+
+    def run(program, *inputs):
+        seen.append(program)
+        return program(*inputs)
+
+    hooked = proposer._folded_round(4, cache, packed, packed_key, True, run=run)
+    assert len(seen) == len(proposer._split.ranges) + 1 and seen[-1] is proposer._programs["head", 4, True]
+    np.testing.assert_array_equal(np.asarray(hooked.draft_tokens), np.asarray(whole.draft_tokens))
+    np.testing.assert_array_equal(np.asarray(hooked.corrected_logits), np.asarray(whole.corrected_logits))
 
 
 def test_bf16_draft_keeps_bf16_logits_through_the_padded_bucket_and_its_slicer():
