@@ -593,12 +593,12 @@ def _own_peak(
 
     The device's ``peak_bytes_in_use`` never resets: an earlier, larger transient (building
     the draft, say) would hide the call's own peak. So ballast first fills the gap between
-    the bytes in use and the peak; the peak then grows by exactly the call's own need.
+    the bytes in use and the peak; the peak then grows by the call's own need (plus any
+    slack the allocator adds, see :func:`round_peaks`).
 
     Returns:
       The bytes (None where the backend reports no memory statistics; the call is made
-      anyway) and the ballast kept
-      (it must stay allocated while later calls are measured).
+      anyway) and the ballast kept (it must stay allocated while later calls are measured).
     """
     in_use, peak = _memory_stat("bytes_in_use"), _memory_stat("peak_bytes_in_use")
     if in_use is None or peak is None:
