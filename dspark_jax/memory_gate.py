@@ -97,7 +97,7 @@ class GateDecision:
     @property
     def needed_bytes(self) -> int:
         """The estimate the gate compares: XLA's once the round is compiled, else the closed form."""
-        return self.closed_form_bytes if self.compiled_bytes is None else self.compiled_bytes
+        return _needed(self.closed_form_bytes, self.compiled_bytes)
 
 
 def closed_form_bytes(
@@ -209,8 +209,12 @@ def plan_folded_sampling(
     return _decide(mode, closed, compiled_bytes, free_bytes, headroom)
 
 
+def _needed(closed: int, compiled: int | None) -> int:
+    return closed if compiled is None else compiled
+
+
 def _decide(mode: FoldedSampling, closed: int, compiled: int | None, free: int | None, headroom: int) -> GateDecision:
-    needed = closed if compiled is None else compiled
+    needed = _needed(closed, compiled)
     if mode is FoldedSampling.OFF:
         enabled, reason = False, "OFF: greedy-only folding; sampling batches run eagerly"
     elif mode is FoldedSampling.FORCE:
