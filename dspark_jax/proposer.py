@@ -205,6 +205,10 @@ def _leaves_name(name: tuple[Any, ...]) -> tuple[Any, ...]:
     return ("piece", *name[2:]) if name[0] == "piece" else ("head", name[2])
 
 
+def _call(program: Callable[..., Any], *args: Any) -> Any:
+    return program(*args)
+
+
 class Proposer:
     """Drafts batches of any size up to ``max_batch`` with precompiled executables.
 
@@ -644,20 +648,20 @@ class Proposer:
         packed: np.ndarray,
         key: jax.Array,
         sampling: bool,
-        run: Callable[..., Any] | None = None,
+        run: Callable[..., Any] = _call,
     ) -> DraftBlock:
         """The compiled round of a bucket: the backbone pieces, then the mode's head.
 
-        ``run(program, *args)``, when given, makes each call (the bench wraps it to measure
-        each program's own peak memory).
+        ``run(program, *args)`` makes each call (the bench wraps it to measure each
+        program's own peak memory).
         """
         # NumPy in: the first piece copies it to the device on its own C++ path and hands
         # the device copy on (one transfer, no Python jax.device_put before the launch)
         x = None
         for start, stop in self._split.ranges:
-            piece, leaves = self._program(("piece", bucket, start, stop)), self._sub_leaves["piece", start, stop]
-            x = piece(leaves, x, cache, packed) if run is None else run(piece, leaves, x, cache, packed)
+            x = run(
+                self._program(("piece", bucket, start, stop)), self._sub_leaves["piece", start, stop], x, cache, packed
+            )
             if start == 0:
                 x, packed = x
-        head, leaves = self._program(("head", bucket, sampling)), self._sub_leaves["head", sampling]
-        return head(leaves, x, packed, key) if run is None else run(head, leaves, x, packed, key)
+        return run(self._program(("head", bucket, sampling)), self._sub_leaves["head", sampling], x, packed, key)

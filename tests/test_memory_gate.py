@@ -81,7 +81,8 @@ def test_auto_keeps_one_gib_headroom_after_the_estimate():
 def test_auto_compares_xla_estimate_once_compiled_else_the_closed_form():
     larger = plan_folded_sampling("auto", free_bytes=NEEDED + GIB, compiled_bytes=NEEDED + 10_000, **SHAPE)
     assert not larger.enabled and larger.needed_bytes == NEEDED + 10_000 and larger.closed_form_bytes == NEEDED
-    # XLA's buffer assignment can need less than the closed form (measured on the H200: 0.71 of it)
+    # XLA's buffer assignment can need less than the closed form (the XLA sampler's noise
+    # array, say, is not always live at the peak)
     smaller = plan_folded_sampling("auto", free_bytes=GIB + 5_000, compiled_bytes=5_000, **SHAPE)
     assert smaller.enabled and smaller.needed_bytes == 5_000 and smaller.closed_form_bytes == NEEDED
     assert not plan_folded_sampling("auto", free_bytes=GIB + 4_999, compiled_bytes=5_000, **SHAPE).enabled
