@@ -50,7 +50,7 @@ import concurrent.futures
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -207,6 +207,55 @@ def _leaves_name(name: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _call(program: Callable[..., Any], *args: Any) -> Any:
     return program(*args)
+
+
+class _Compiles:
+    """Compiles lowered programs, ``workers`` at a time, and installs them on the calling thread.
+
+    With one worker each program is compiled when it is submitted. With more, a thread pool
+    compiles (XLA compiles outside the GIL) while the calling thread goes on lowering: the
+    submitted iterators lower each program only when reached (:meth:`Proposer._jobs`).
+    Leaving the ``with`` block installs everything still pending (or, on an error, cancels
+    what has not started).
+    """
+
+    def __init__(self, install: Callable[[tuple[Any, ...], jax.stages.Compiled], None], workers: int):
+        self._install = install
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
+        self._pending: dict[tuple[Any, ...], concurrent.futures.Future] = {}
+
+    @property
+    def pending(self) -> Container[tuple[Any, ...]]:
+        """Names submitted and not installed yet."""
+        return self._pending.keys()
+
+    def submit(self, jobs: Iterable[tuple[tuple[Any, ...], jax.stages.Lowered]]) -> None:
+        for name, lowered in jobs:
+            if self._pool is None:
+                self._install(name, lowered.compile())
+            else:
+                self._pending[name] = self._pool.submit(lowered.compile)
+
+    def finish(self, names: Iterable[tuple[Any, ...]] | None = None) -> None:
+        """Installs ``names`` (default: every pending program) once compiled; names not
+        pending (installed already, or loaded from the store) are skipped."""
+        for name in list(self._pending) if names is None else names:
+            future = self._pending.pop(name, None)
+            if future is not None:
+                self._install(name, future.result())
+
+    def __enter__(self) -> _Compiles:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None:
+                self.finish()
+        finally:
+            if self._pool is not None:
+                for future in self._pending.values():
+                    future.cancel()
+                self._pool.shutdown(wait=True)
 
 
 class Proposer:
@@ -377,20 +426,21 @@ class Proposer:
             self._programs[name] = Alternating(compiled, twin=self.twin_programs)
 
     def _jobs(
-        self, bucket: int, sampling: bool, jobs: dict[tuple[Any, ...], jax.stages.Lowered] | None = None
-    ) -> dict[tuple[Any, ...], jax.stages.Lowered]:
-        """Adds to ``jobs`` the programs a (bucket, mode) round needs, has not and ``jobs``
-        does not hold yet, lowered; returns ``jobs`` (a new dict when None).
+        self, bucket: int, sampling: bool, skip: Container[tuple[Any, ...]] = ()
+    ) -> Iterator[tuple[tuple[Any, ...], jax.stages.Lowered]]:
+        """The programs a (bucket, mode) round needs, has not and ``skip`` does not hold,
+        each lowered only when the iterator reaches it (so a compile pool can compile one
+        while the next is lowered).
 
         A round is the backbone pieces of :class:`~dspark_jax.split_round.SplitRound`
         (shared by both modes) and the mode's head. Programs found in the executable store
         are installed instead (not lowered).
         """
-        cfg, jobs = self.cfg, {} if jobs is None else jobs
+        cfg = self.cfg
         hidden = jax.ShapeDtypeStruct((bucket, cfg.num_query_rows, cfg.hidden_size), cfg.jnp_dtype)
         names = [("piece", bucket, start, stop) for start, stop in self._split.ranges] + [("head", bucket, sampling)]
         for name in names:
-            if name in self._programs or name in jobs:
+            if name in self._programs or name in skip:
                 continue
             loaded = self._load(name)
             if loaded is not None:
@@ -405,12 +455,12 @@ class Proposer:
                 args = (hidden, self._packed_spec(bucket), self._key_spec)
             fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
             self._sub_leaves[_leaves_name(name)] = sub
-            jobs[name] = jax.jit(fn).lower(sub, *args)
-        return jobs
+            yield name, jax.jit(fn).lower(sub, *args)
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
         """Compiles (or loads) what the (bucket, mode) round still lacks."""
-        self._compile_many(self._jobs(bucket, sampling), 1)
+        with _Compiles(self._install, 1) as compiles:
+            compiles.submit(self._jobs(bucket, sampling))
 
     def _slicer_name(self, rows: int, sampling: bool) -> tuple[Any, ...]:
         return ("slicer", rows, self.bucket(rows), sampling)
@@ -428,32 +478,21 @@ class Proposer:
         )
         return jax.jit(functools.partial(_unpad, rows)).lower(block)
 
-    def _slicer_jobs(self, rows: int, sampling: bool) -> dict[tuple[Any, ...], jax.stages.Lowered]:
-        """The slicer to ``rows`` rows, lowered, unless it is compiled or in the store."""
+    def _slicer_jobs(self, rows: int, sampling: bool) -> Iterator[tuple[tuple[Any, ...], jax.stages.Lowered]]:
+        """The slicer to ``rows`` rows, lowered when reached, unless it is compiled or in the store."""
         if (rows, sampling) in self._slicers:
-            return {}
+            return
         name = self._slicer_name(rows, sampling)
         loaded = self._load(name)
         if loaded is not None:
             self._slicers[rows, sampling] = loaded
-            return {}
-        return {name: self._lower_slicer(rows, sampling)}
+            return
+        yield name, self._lower_slicer(rows, sampling)
 
     def _compile_slicer(self, rows: int, sampling: bool) -> jax.stages.Compiled:
-        self._compile_many(self._slicer_jobs(rows, sampling), 1)
+        with _Compiles(self._install, 1) as compiles:
+            compiles.submit(self._slicer_jobs(rows, sampling))
         return self._slicers[rows, sampling]
-
-    def _compile_many(self, jobs: dict[tuple[Any, ...], jax.stages.Lowered], workers: int) -> None:
-        """Compiles lowered programs, up to ``workers`` at a time (XLA compiles outside the
-        GIL; lowering already happened on this thread), and installs them (:meth:`_install`)."""
-        if workers <= 1 or len(jobs) <= 1:
-            for name, lowered in jobs.items():
-                self._install(name, lowered.compile())
-            return
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {name: pool.submit(lowered.compile) for name, lowered in jobs.items()}
-            for name, future in futures.items():
-                self._install(name, future.result())
 
     def _warm_eager(self, bucket: int) -> None:
         """Compiles the eager path at ``bucket``: its input gather ahead of time, and its
@@ -489,11 +528,14 @@ class Proposer:
         Programs already in the executable store (see ``executable_store``) are loaded
         instead, and the ones compiled here are saved there.
 
-        First every bucket's backbone pieces and greedy-only head, together with — unless the
-        gate is already closed (OFF, or AUTO short of memory by the closed form) — the
-        sampling head at ``max_batch``, whose memory analysis (minus the greedy-only head's)
-        refines the gate. When the gate allows it, the sampling heads of every bucket
-        follow; else the eager path is warmed per bucket.
+        Order: the largest bucket's greedy round, then (unless the gate is already closed:
+        OFF, or AUTO short of memory by the closed form) its sampling head, whose memory
+        analysis (minus the greedy-only head's) refines the gate; then every other bucket's
+        backbone pieces and greedy-only head, largest first (the longest compiles start
+        first). When the gate allows it, the sampling heads of every bucket follow, then the
+        slicers; else the eager path is warmed per bucket. With several workers this thread
+        lowers each program while the pool compiles the earlier ones, and waits only for the
+        gate's programs before the sampling heads.
 
         Args:
           workers: programs compiled concurrently from a thread pool (XLA compiles outside
@@ -507,31 +549,33 @@ class Proposer:
         """
         if workers is None:
             workers = 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
-        top = self.buckets[-1]
-        jobs = {}
-        for bucket in self.buckets:
-            self._jobs(bucket, False, jobs)
+        order = sorted(self.buckets, reverse=True)
+        top = order[0]
         # The gate compares the larger estimate, so XLA's can only matter when the closed form fits.
         measure = self.gate.mode is FoldedSampling.FORCE or self.gate.enabled
-        if measure:
-            self._jobs(top, True, jobs)
-        self._compile_many(jobs, workers)
-        if measure:
-            # The backbone pieces are shared: the heads alone differ between the modes.
-            heads = self._programs["head", top, True].compiled, self._programs["head", top, False].compiled
-            pieces = tuple(self._programs["piece", top, start, stop].compiled for start, stop in self._split.ranges)
-            extra = sampling_extra_bytes(*heads, pieces)
-            self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
-            if not self.gate.enabled:
-                del self._programs["head", top, True]
-        jobs = {}
-        if self.gate.enabled:
-            for bucket in self.buckets:
-                self._jobs(bucket, True, jobs)
-        for rows in range(1, self.max_batch + 1) if self.unpad else ():
-            for sampling in (False, True) if rows != self.bucket(rows) else ():
-                jobs.update(self._slicer_jobs(rows, sampling))
-        self._compile_many(jobs, workers)
+        with _Compiles(self._install, workers) as compiles:
+            compiles.submit(self._jobs(top, False))
+            if measure:
+                compiles.submit(self._jobs(top, True, compiles.pending))
+            for bucket in order[1:]:
+                compiles.submit(self._jobs(bucket, False, compiles.pending))
+            if measure:
+                heads = [("head", top, True), ("head", top, False)]
+                pieces = [("piece", top, start, stop) for start, stop in self._split.ranges]
+                compiles.finish(heads + pieces)
+                # The backbone pieces are shared: the heads alone differ between the modes.
+                extra = sampling_extra_bytes(
+                    *(self._programs[name].compiled for name in heads),
+                    tuple(self._programs[name].compiled for name in pieces),
+                )
+                self._set_gate(plan_folded_sampling(self.gate.mode, compiled_bytes=extra, **self._gate_kwargs()))
+                if not self.gate.enabled:
+                    del self._programs["head", top, True]
+            for bucket in order if self.gate.enabled else ():
+                compiles.submit(self._jobs(bucket, True, compiles.pending))
+            for rows in range(1, self.max_batch + 1) if self.unpad else ():
+                for sampling in (False, True) if rows != self.bucket(rows) else ():
+                    compiles.submit(self._slicer_jobs(rows, sampling))
         if not self.gate.enabled:
             for bucket in self.buckets:
                 self._warm_eager(bucket)

@@ -10,6 +10,7 @@ from draft_testing import random_draft, tiny_config
 from flax import nnx
 from proposer_testing import CAPACITY, CFG, SLOTS, make_cache, random_call
 
+from dspark_jax import proposer as proposer_module
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
@@ -261,3 +262,46 @@ def test_every_key_form_samples_the_same_rows(forced):
         np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(blocks[0].corrected_logits))
     other = proposer(cache, **args, key=jax.random.key(124))
     assert not np.array_equal(np.asarray(other.draft_tokens), np.asarray(blocks[0].draft_tokens))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(workers, monkeypatch):
+    """Every program is compiled exactly once (a backbone piece shared by both modes too, even
+    while its first compile is still pending in the pool), in the order the docstring gives:
+    the largest bucket's greedy round and sampling head (the gate's), the other greedy
+    rounds largest first, the other sampling heads, then the slicers."""
+    draft = random_draft(tiny_config(**CFG), seed=7)
+    proposer = Proposer(
+        draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force", executable_store=False
+    )
+    installed, install = [], proposer._install
+    proposer._install = lambda name, compiled: installed.append(name) or install(name, compiled)
+    submitted, submit = [], proposer_module._Compiles.submit
+    monkeypatch.setattr(
+        proposer_module._Compiles,
+        "submit",
+        lambda self, jobs: submit(self, ((submitted.append(name) or (name, lowered)) for name, lowered in jobs)),
+    )
+    with CompileCounter() as counter:
+        proposer.precompile(workers=workers)
+    ranges = proposer._split.ranges
+    greedy = [[*(("piece", b, *r) for r in ranges), ("head", b, False)] for b in (4, 2, 1)]
+    want = [*greedy[0], ("head", 4, True), *greedy[1], *greedy[2], ("head", 2, True), ("head", 1, True)]
+    want += [("slicer", 3, 4, False), ("slicer", 3, 4, True)]
+    assert submitted == want
+    assert sorted(installed, key=repr) == sorted(want, key=repr)  # in parallel, the gate's first
+    assert counter.count == len(want)
+    assert proposer.gate.compiled_bytes is not None
+
+
+def test_precompile_error_while_lowering_propagates_and_installs_nothing_more(monkeypatch):
+    draft = random_draft(tiny_config(**CFG), seed=7)
+    proposer = Proposer(draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, executable_store=False)
+
+    def broken(rows, sampling):
+        raise RuntimeError(f"lowering the slicer for {rows} rows failed")
+
+    monkeypatch.setattr(proposer, "_lower_slicer", broken)
+    with pytest.raises(RuntimeError, match="slicer for 3 rows"):
+        proposer.precompile(workers=2)
+    assert not proposer._slicers
