@@ -1,7 +1,7 @@
 """One sampling step of the folded Markov walk as one Pallas (Triton) kernel on GPUs.
 
-Shape legend: B batch, γ block slots, V vocabulary, P = V / 2 pairs, T pairs per program,
-NB = ⌈P / T⌉ programs per row.
+Shape legend: B batch, γ block slots, V vocabulary, Q = V / 4 Philox blocks per row (four
+tokens each), T blocks per program, NB = ⌈Q / T⌉ programs per row.
 
 Step ``k`` of the folded walk (:func:`dspark_jax.markov.markov_walk` with
 :func:`dspark_jax.sampling.sample_step`) forms the corrected logits
@@ -11,20 +11,21 @@ Step ``k`` of the folded walk (:func:`dspark_jax.markov.markov_walk` with
 runs that as a noise-and-race fusion that writes its scores, a reduction that reads them
 back, and, after the walk, a copy that stacks the γ steps' logits (measured on the H200 at
 batch 128: 75 + 25 µs per step and 0.27 ms for the stack). :func:`race_step` does it in one
-kernel per step: program ``(b, j)`` reads pairs ``[j·T, (j + 1)·T)`` of row ``b`` (tokens
-``i`` and ``i + P``, the two words of one Threefry block), writes both tokens' corrected
-logits into slot ``k`` of the ``[B, γ, V]`` output in place (the buffer is aliased from
-step to step, so nothing is stacked), hashes the noise only for sampling rows, and writes
-its pairs' best score and token; a small XLA reduction picks each row's token.
+kernel per step: program ``(b, j)`` reads blocks ``[j·T, (j + 1)·T)`` of row ``b`` (tokens
+``i``, ``i + Q``, ``i + 2Q`` and ``i + 3Q``, the four words of one Philox-4x32-10 block),
+writes their corrected logits into slot ``k`` of the ``[B, γ, V]`` output in place (the
+buffer is aliased from step to step, so nothing is stacked), hashes the noise only for
+sampling rows, and writes its blocks' best score and token; a small XLA reduction picks each
+row's token.
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
-``log`` through libdevice as XLA does, division rounded to nearest as XLA's; ties to the
-lowest token id, NaN as ``-inf``), so the kernel and the XLA sampler pick the same tokens
-from the same keys (tested through the Pallas interpreter; on the H200 against the XLA
-sampler, see README).
+``log`` through libdevice as XLA does, division rounded to nearest as XLA's, the Philox
+products through ``mul.hi.u32``/``mul.lo.u32``; ties to the lowest token id, NaN as
+``-inf``), so the kernel and the XLA sampler pick the same tokens from the same keys (tested
+through the Pallas interpreter; on the H200 against the XLA sampler, see README).
 
-:func:`race_supported` says when the kernel applies (an even ``V`` with ``P ≥ 128``) and
-:func:`use_race_kernel` whether this trace uses it (:data:`RACE_ENV`; by default on GPU
+:func:`race_supported` says when the kernel applies (``V`` a multiple of 4 with ``Q ≥ 64``)
+and :func:`use_race_kernel` whether this trace uses it (:data:`RACE_ENV`; by default on GPU
 backends only). ``interpret=True`` runs it through the Pallas interpreter on any backend.
 """
 
@@ -39,7 +40,15 @@ from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
-from dspark_jax.sampling import _key_words, _log_exponential, _max_then_lowest_id, step_keys
+from dspark_jax.sampling import (
+    LANES,
+    _key_words,
+    _log_exponential,
+    _max_then_lowest_id,
+    mul_hi_lo,
+    philox4x32,
+    step_keys,
+)
 
 RACE_ENV = "DSPARK_JAX_RACE"
 """Environment variable choosing the folded walk's sampling step: ``auto`` (default: the
@@ -48,8 +57,6 @@ supported, the Pallas interpreter off GPUs)."""
 
 RACE_CHOICES = KERNEL_CHOICES
 
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _WARPS = 4  # per program
 
@@ -64,9 +71,10 @@ def race_choice() -> str:
 
 
 def race_supported(vocab: int) -> bool:
-    """True when the kernel applies: an even vocabulary of at least 256 tokens (so every
-    program's pairs lie inside the row, the last program's range clamped to the end)."""
-    return vocab % 2 == 0 and vocab >= 256
+    """True when the kernel applies: a vocabulary of at least 256 tokens that is a multiple of
+    4 (so every program's blocks lie inside the row, the last program's range clamped to the
+    end)."""
+    return vocab % LANES == 0 and vocab >= 256
 
 
 def use_race_kernel(vocab: int) -> tuple[bool, bool]:
@@ -74,37 +82,33 @@ def use_race_kernel(vocab: int) -> tuple[bool, bool]:
     return kernel_mode(RACE_ENV, race_supported(vocab))
 
 
-def _rotl(x: jax.Array, r: int) -> jax.Array:
-    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+def _mul_hi_lo_gpu(a: jax.Array, m: np.uint32) -> tuple[jax.Array, jax.Array]:
+    """:func:`dspark_jax.sampling.mul_hi_lo` through the hardware: ``mul.hi.u32`` and ``mul.lo.u32``
+    (Triton's integers are signless: the operands pass as int32 bit patterns). A scalar (a
+    program's key word, uniform over its tokens) takes the exact 32-bit arithmetic instead."""
+    if jnp.ndim(a) == 0:
+        return mul_hi_lo(a, m)
+    from jax.experimental.pallas import triton as plgpu
+
+    cast = jax.lax.bitcast_convert_type
+    args = [cast(a, jnp.int32), cast(jnp.full(a.shape, m, jnp.uint32), jnp.int32)]
+    out = jax.ShapeDtypeStruct(a.shape, jnp.int32)
+    words = []
+    for part in ("hi", "lo"):
+        [word] = plgpu.elementwise_inline_asm(
+            f"mul.{part}.u32 $0, $1, $2;", args=args, constraints="=r,r,r", pack=1, result_shape_dtypes=[out]
+        )
+        words.append(cast(word, jnp.uint32))
+    return words[0], words[1]
 
 
-def threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 with 20 rounds (Salmon et al. 2011), as ``jax.extend.random.threefry_2x32``.
-
-    Args:
-      k0, k1: uint32 key words (scalars).
-      x0, x1: uint32 counter words, same shape.
-
-    Returns:
-      ``(y0, y1)`` uint32, the block's two output words.
-    """
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(_PARITY))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for group in range(5):
-        for r in _ROTATIONS[group % 2]:
-            x0 = x0 + x1
-            x1 = _rotl(x1, r) ^ x0
-        x0 = x0 + ks[(group + 1) % 3]
-        x1 = x1 + ks[(group + 2) % 3] + np.uint32(group + 1)
-    return x0, x1
-
-
-def _tile(batch: int, pairs: int) -> int:
-    """Pairs per program: 512 from batch 32 up, 256 below (so a small batch still fills the
-    GPU; a sweep of 256–2048 pairs and 4 or 8 warps on the H200 at the 8B vocabulary found
-    these within 1 µs of the best per step), at most the largest power of two ≤ ``pairs``."""
-    want = 512 if batch >= 32 else 256
-    return min(want, 1 << (pairs.bit_length() - 1))
+def _tile(batch: int, quads: int) -> int:
+    """Philox blocks per program: 512 (2048 tokens) from batch 32 up, 128 below (so a small
+    batch still fills the GPU), at most the largest power of two ≤ ``quads``. On the H200 at
+    the 8B vocabulary, 512 blocks and 4 warps ran batch-32 and batch-128 sampling steps fastest
+    of 256 or 512 blocks with 4 or 8 warps."""
+    want = 512 if batch >= 32 else 128
+    return min(want, 1 << (quads.bit_length() - 1))
 
 
 def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
@@ -124,8 +128,8 @@ def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     return out
 
 
-def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, pairs, tile, interpret):
-    """Program ``(b, j)``: pairs ``[j·T, (j + 1)·T)`` of row ``b`` (the last range clamped to end at ``P``).
+def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, quads, tile, interpret):
+    """Program ``(b, j)``: Philox blocks ``[j·T, (j + 1)·T)`` of row ``b`` (the last range clamped to end at ``Q``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``t``, ``greedy`` ``[B]``, ``words`` ``[B, γ, 2]``, ``base`` ``[B, γ, V]``,
@@ -135,29 +139,33 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, p
     corrected_ref, score_ref, token_ref = refs[-3:]
     b = pl.program_id(0)
     step = step_ref[0]
-    start = jnp.minimum(pl.program_id(1) * tile, pairs - tile)
-    low, high = pl.ds(start, tile), pl.ds(pairs + start, tile)
-    lo = base_ref[b, step, low].astype(jnp.float32) + bias_ref[b, low].astype(jnp.float32)  # [T]
-    hi = base_ref[b, step, high].astype(jnp.float32) + bias_ref[b, high].astype(jnp.float32)
-    kept_lo, kept_hi = lo.astype(corrected_ref.dtype), hi.astype(corrected_ref.dtype)  # the base logits' dtype
-    corrected_ref[b, step, low] = kept_lo
-    corrected_ref[b, step, high] = kept_hi
-    index = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # pair i: tokens i and i + P
+    start = jnp.minimum(pl.program_id(1) * tile, quads - tile)
+    lanes = [pl.ds(lane * quads + start, tile) for lane in range(LANES)]  # tokens i + l·Q
+    summed = [base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32) for at in lanes]  # [T]
+    kept = [x.astype(corrected_ref.dtype) for x in summed]  # the base logits' dtype
+    for at, x in zip(lanes, kept, strict=True):
+        corrected_ref[b, step, at] = x
+    index = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # block i: tokens i + l·Q
 
     def race():  # on the kept values: q = softmax(kept / T) is the law of the pick
-        counter = index.astype(jnp.uint32)
-        w0, w1 = threefry2x32(words_ref[b, step, 0], words_ref[b, step, 1], counter, counter + np.uint32(pairs))
+        counter = (index.astype(jnp.uint32), 0, 0, 0)
+        mul = mul_hi_lo if interpret else _mul_hi_lo_gpu
+        words = philox4x32(words_ref[b, step, 0], words_ref[b, step, 1], counter, mul=mul)
         t = t_ref[b]
-        s_lo = _divide(kept_lo.astype(jnp.float32), t, interpret) - _log_exponential(w0)
-        s_hi = _divide(kept_hi.astype(jnp.float32), t, interpret) - _log_exponential(w1)
-        return s_lo, s_hi
+        return tuple(
+            _divide(x.astype(jnp.float32), t, interpret) - _log_exponential(w) for x, w in zip(kept, words, strict=True)
+        )
 
-    s_lo, s_hi = jax.lax.cond(greedy_ref[b] != 0, lambda: (lo, hi), race)
-    s_lo = jnp.where(jnp.isnan(s_lo), -jnp.inf, s_lo)
-    s_hi = jnp.where(jnp.isnan(s_hi), -jnp.inf, s_hi)
-    take_high = s_hi > s_lo  # a tie keeps the lower id
-    best = jnp.where(take_high, s_hi, s_lo)
-    token = index + jnp.where(take_high, pairs, 0)
+    scores = jax.lax.cond(greedy_ref[b] != 0, lambda: tuple(summed), race)
+    best, lane = None, jnp.zeros((tile,), jnp.int32)
+    for number, x in enumerate(scores):
+        x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+        if best is None:
+            best = x
+            continue
+        take = x > best  # a tie keeps the earlier lane: the lower id
+        best, lane = jnp.where(take, x, best), jnp.where(take, number, lane)
+    token = index + lane * quads
     top = best.max()
     score_ref[...] = jnp.full((1, 1), top, jnp.float32)
     token_ref[...] = jnp.full((1, 1), jnp.where(best == top, token, _NO_TOKEN).min(), jnp.int32)
@@ -185,7 +193,7 @@ def race_step(
         the later steps).
       temperatures: ``[B]`` float32, clamped (:func:`dspark_jax.sampling.clamp_temperatures`).
       greedy: ``[B]`` bool, True for rows that take the argmax (they never hash noise).
-      key_words: ``uint32 [B, γ, 2]`` every step's per-row Threefry key words
+      key_words: ``uint32 [B, γ, 2]`` every step's per-row key words (the Philox key)
         (:func:`step_key_words`; one array for the whole walk, so that XLA makes them in
         one kernel rather than one per step); this step reads slot ``step``.
       step: ``k`` (int32 scalar, may be traced).
@@ -197,11 +205,13 @@ def race_step(
     """
     batch, gamma, vocab = base.shape
     if not race_supported(vocab):
-        raise ValueError(f"vocab={vocab} is not supported by the race kernel: must be even and at least 256")
-    pairs = vocab // 2
-    tile = _tile(batch, pairs)
-    blocks = -(-pairs // tile)
-    kernel = functools.partial(_kernel, pairs=pairs, tile=tile, interpret=interpret)
+        raise ValueError(
+            f"vocab={vocab} is not supported by the race kernel: must be a multiple of {LANES} and at least 256"
+        )
+    quads = vocab // LANES
+    tile = _tile(batch, quads)
+    blocks = -(-quads // tile)
+    kernel = functools.partial(_kernel, quads=quads, tile=tile, interpret=interpret)
     if key_words.shape != (batch, gamma, 2):
         raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
     if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
@@ -250,7 +260,7 @@ def race_step(
 
 
 def step_key_words(keys: jax.Array, gamma: int) -> jax.Array:
-    """``uint32 [B, γ, 2]``: the Threefry key words of ``step_keys(keys, k)`` for ``k < γ``.
+    """``uint32 [B, γ, 2]``: the key words of ``step_keys(keys, k)`` for ``k < γ`` (the Philox keys).
 
     Args:
       keys: typed per-row keys ``[B]`` (:func:`dspark_jax.sampling.row_keys`).

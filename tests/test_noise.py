@@ -1,4 +1,4 @@
-"""The race noise generator: bit-exact Threefry layout, word → U → log E, marginals, independence.
+"""The race noise generator: bit-exact Philox-4x32-10 layout, word → U → log E, marginals, independence.
 
 Tolerances:
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sampling import tv, tv_bound
 
+from dspark_jax import sampling as S
 from dspark_jax.sampling import (
     MIN_TEMPERATURE,
     _log_exponential,
@@ -36,30 +38,24 @@ from dspark_jax.sampling import (
     step_keys,
 )
 
-ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
-SKEIN_KEY_PARITY = 0x1BD11BDA
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+MASK = np.uint64(0xFFFFFFFF)
 
 
-def threefry2x32(key: tuple[int, int], x0: np.ndarray, x1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Threefry-2x32 with 20 rounds (Salmon et al., SC 2011), NumPy uint32 arithmetic mod 2³².
+def philox4x32(key: tuple[int, int], counter: tuple, rounds: int = 10) -> tuple[np.ndarray, ...]:
+    """Philox-4x32 (Salmon et al., SC 2011), NumPy: 64-bit products of 32-bit words in uint64.
 
-    Four rounds of ``x0 += x1; x1 = rotl(x1, r) ^ x0``, then key injection ``s``:
-    ``x0 += ks[s mod 3]; x1 += ks[(s + 1) mod 3] + s``, with
-    ``ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)``; injection 0 precedes the first round.
+    A round: ``(h₀, l₀) = M₀·c₀``, ``(h₁, l₁) = M₁·c₂``,
+    ``c ← (h₁ ⊕ c₁ ⊕ k₀, l₁, h₀ ⊕ c₃ ⊕ k₁, l₀)``, then ``k ← k + (W₀, W₁)`` mod 2³².
     """
-    k0, k1 = np.uint32(key[0]), np.uint32(key[1])
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(SKEIN_KEY_PARITY))
-    x0 = np.asarray(x0, np.uint32) + ks[0]
-    x1 = np.asarray(x1, np.uint32) + ks[1]
-    for r in range(20):
-        rot = np.uint32(ROTATIONS[r % 8])
-        x0 = x0 + x1
-        x1 = ((x1 << rot) | (x1 >> (np.uint32(32) - rot))) ^ x0
-        if r % 4 == 3:
-            s = r // 4 + 1
-            x0 = x0 + ks[s % 3]
-            x1 = x1 + ks[(s + 1) % 3] + np.uint32(s)
-    return x0, x1
+    c = [np.asarray(x, np.uint64) for x in counter]
+    k0, k1 = (np.uint64(x) for x in key)
+    for _ in range(rounds):
+        p0, p1 = np.uint64(PHILOX_M[0]) * c[0], np.uint64(PHILOX_M[1]) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & MASK, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & MASK]
+        k0, k1 = (k0 + np.uint64(PHILOX_W[0])) & MASK, (k1 + np.uint64(PHILOX_W[1])) & MASK
+    return tuple(x.astype(np.uint32) for x in c)
 
 
 def reference_uniform(words: np.ndarray) -> np.ndarray:
@@ -68,13 +64,11 @@ def reference_uniform(words: np.ndarray) -> np.ndarray:
 
 
 def reference_noise(key_words: np.ndarray, vocab: int) -> np.ndarray:
-    """``log E`` ``[B, V]`` float64: token ``i`` and ``i + P`` get the words of block ``(i, i + P)``."""
-    pairs = (vocab + 1) // 2
-    i = np.arange(pairs, dtype=np.uint32)
-    rows = []
-    for k0, k1 in key_words:
-        w0, w1 = threefry2x32((k0, k1), i, i + np.uint32(pairs))
-        rows.append(np.concatenate([w0, w1])[:vocab])
+    """``log E`` ``[B, V]`` float64: token ``i + l·Q`` gets word ``l`` of Philox block ``(i, 0, 0, 0)``."""
+    quads = -(-vocab // 4)
+    i = np.arange(quads, dtype=np.uint32)
+    zero = np.zeros_like(i)
+    rows = [np.concatenate(philox4x32((k0, k1), (i, zero, zero, zero)))[:vocab] for k0, k1 in key_words]
     return np.log(-np.log(reference_uniform(np.stack(rows))))
 
 
@@ -83,27 +77,46 @@ def uniforms(log_e) -> np.ndarray:
     return np.exp(-np.exp(np.asarray(log_e, np.float64)))
 
 
-@pytest.mark.parametrize(
-    ("key", "counter", "expected"),
-    [
-        ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
-        ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
-        ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
-    ],
-)
-def test_numpy_threefry_matches_random123_known_answers(key, counter, expected):
-    w0, w1 = threefry2x32(key, np.array([counter[0]]), np.array([counter[1]]))
-    assert (int(w0[0]), int(w1[0])) == expected
+KNOWN_ANSWERS = [  # Random123's kat_vectors for philox4x32 with 10 rounds
+    ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0xA4093822, 0x299F31D0),
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
 
 
-@pytest.mark.parametrize("vocab", [1, 10, 11])
+@pytest.mark.parametrize(("key", "counter", "expected"), KNOWN_ANSWERS)
+def test_philox_matches_random123_known_answers(key, counter, expected):
+    assert tuple(int(w[0]) for w in philox4x32(key, tuple([x] for x in counter))) == expected
+    k0, k1 = (jnp.uint32(x) for x in key)
+    got = S.philox4x32(k0, k1, tuple(jnp.array([x], jnp.uint32) for x in counter))
+    assert tuple(int(w[0]) for w in got) == expected
+    if counter == (0, 0, 0, 0):  # words known to be zero (the int 0) skip their products: same block
+        assert tuple(int(w) for w in S.philox4x32(k0, k1, (0, 0, 0, 0))) == expected
+
+
+def test_mul_hi_lo_is_the_exact_64_bit_product():
+    edge = [0, 1, 2, 0xFFFF, 0x10000, 0x10001, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF]
+    rng = np.random.default_rng(0)
+    a = np.concatenate([np.array(edge, np.uint64), rng.integers(0, 2**32, 4096, dtype=np.uint64)])
+    for m in (*PHILOX_M, 0xFFFFFFFF, 1, 0x10000):
+        product = a * np.uint64(m)  # < 2⁶⁴: exact in uint64
+        hi, lo = S.mul_hi_lo(jnp.asarray(a.astype(np.uint32)), np.uint32(m))
+        np.testing.assert_array_equal(np.asarray(hi), (product >> np.uint64(32)).astype(np.uint32))
+        np.testing.assert_array_equal(np.asarray(lo), (product & MASK).astype(np.uint32))
+
+
+@pytest.mark.parametrize("vocab", [1, 10, 11, 12])
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
-def test_noise_is_the_documented_threefry_generator(vocab, raw):
+def test_noise_is_the_documented_philox_generator(vocab, raw):
     keys = jax.random.split(jax.random.key(12), 3)
     key_words = np.asarray(jax.random.key_data(keys))
     got = np.asarray(log_exponential_noise(key_words if raw else keys, vocab))
     assert got.shape == (3, vocab) and got.dtype == np.float32
-    # Swapped words, another pairing or a wrong cell would move values by O(1), far above 2e-6.
+    # Swapped words, another layout or a wrong cell would move values by O(1), far above 2e-6.
     np.testing.assert_allclose(got, reference_noise(key_words, vocab), rtol=0, atol=2e-6)
 
 
@@ -152,15 +165,17 @@ def _noise_pairs(kind: str) -> tuple[np.ndarray, np.ndarray]:
             uniforms(log_exponential_noise(step_keys(keys, 0), 8192)),
             uniforms(log_exponential_noise(step_keys(keys, 1), 8192)),
         )
-    u = uniforms(log_exponential_noise(keys, 8192))  # [16, 8192], P = 4096
-    if kind == "same-block":  # tokens i and i + P share one Threefry call
-        return u[:, :4096], u[:, 4096:]
+    u = uniforms(log_exponential_noise(keys, 8192))  # [16, 8192], Q = 2048
+    if kind == "same-block":  # tokens i + l·Q share one Philox block: lanes 0 | 1 and 2 | 3
+        return np.concatenate([u[:, :2048], u[:, 4096:6144]]), np.concatenate([u[:, 2048:4096], u[:, 6144:]])
+    if kind == "same-block-far":  # lanes 0 | 3 and 1 | 2
+        return np.concatenate([u[:, :2048], u[:, 2048:4096]]), np.concatenate([u[:, 6144:], u[:, 4096:6144]])
     if kind == "adjacent-ids":
         return u[:, 0::2], u[:, 1::2]
     return u[0::2], u[1::2]  # adjacent rows: fold_in(key, b) and fold_in(key, b + 1)
 
 
-@pytest.mark.parametrize("kind", ["same-block", "adjacent-ids", "adjacent-rows", "consecutive-steps"])
+@pytest.mark.parametrize("kind", ["same-block", "same-block-far", "adjacent-ids", "adjacent-rows", "consecutive-steps"])
 def test_noise_values_are_uncorrelated(kind):
     a, b = (x.ravel() for x in _noise_pairs(kind))
     n = a.size
@@ -183,9 +198,9 @@ def test_row_noise_ignores_batch_size_and_other_rows():
     np.testing.assert_array_equal(padded[:3], small)
 
 
-@pytest.mark.parametrize("vocab", [33, 34])
+@pytest.mark.parametrize("vocab", [33, 34, 36])
 def test_sample_step_races_log_exponential_noise(vocab):
-    # sample_step decides the pairs (i, i + P) first; it must equal the plain race over V.
+    # sample_step decides each block's tokens (i + l·Q) first; it must equal the plain race over V.
     rng = np.random.default_rng(35)
     batch = 48
     logits = (3 * rng.standard_normal((batch, vocab))).astype(np.float32)
@@ -206,15 +221,22 @@ def test_sample_step_races_log_exponential_noise(vocab):
     assert expected[1] == 0 and expected[2] == 4
 
 
-def test_ties_across_block_halves_go_to_lowest_id():
-    # V = 6, P = 3: ids 2 (block 2, low half) and 4 (block 1, high half) tie at the maximum;
-    # the earlier block holds the larger id, so an argmax over block winners alone would pick 4.
-    greedy_logits = np.array([[0.0, 0.0, 5.0, 0.0, 5.0, 0.0]], np.float32)
-    sampled_logits = np.array([[-np.inf, 0.0, np.inf, 0.0, np.inf, 0.0]], np.float32)
+def test_ties_across_blocks_go_to_lowest_id():
+    # V = 6, Q = 2: ids 3 (block 1, lane 1) and 4 (block 0, lane 2) tie at the maximum; the
+    # earlier block holds the larger id, so an argmax over block winners alone would pick 4.
+    greedy_logits = np.array([[0.0, 0.0, 0.0, 5.0, 5.0, 0.0]], np.float32)
+    sampled_logits = np.array([[-np.inf, 0.0, 0.0, np.inf, np.inf, 0.0]], np.float32)
     for logits, greedy in ((greedy_logits, True), (sampled_logits, False)):
         for seed in range(4):
             got = sample_step(logits, np.ones(1, np.float32), np.array([greedy]), jax.random.key(seed))
-            assert int(got[0]) == 2
+            assert int(got[0]) == 3
+
+
+def test_ties_inside_a_block_go_to_lowest_id():
+    # V = 8, Q = 2: ids 1, 3, 5 and 7 are the four lanes of block 1; 3 and 7 tie.
+    greedy_logits = np.array([[0.0, 1.0, 0.0, 5.0, 0.0, 2.0, 0.0, 5.0]], np.float32)
+    got = sample_step(greedy_logits, np.ones(1, np.float32), np.array([True]), jax.random.key(0))
+    assert int(got[0]) == 3
 
 
 def test_non_threefry_keys_raise_type_error():

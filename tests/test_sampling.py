@@ -67,7 +67,7 @@ def test_sampled_frequencies_match_softmax_over_temperature(temperature):
 
 
 def test_sampled_frequencies_match_softmax_for_odd_vocabulary():
-    # Odd V: a -inf column completes the last Threefry block and must never be drawn.
+    # V = 7: a -inf column completes the last Philox block and must never be drawn.
     logits = LOGITS[:7]
     batch = np.broadcast_to(logits, (N_DRAWS, 7))
     tokens = np.asarray(_sample(batch, np.ones(N_DRAWS, np.float32), np.zeros(N_DRAWS, bool), jax.random.key(8)))
