@@ -45,6 +45,7 @@ from dspark_jax.sampling import (
     _key_words,
     _log_exponential,
     _max_then_lowest_id,
+    best_lane,
     mul_hi_lo,
     philox4x32,
     step_keys,
@@ -157,14 +158,7 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, q
         )
 
     scores = jax.lax.cond(greedy_ref[b] != 0, lambda: tuple(summed), race)
-    best, lane = None, jnp.zeros((tile,), jnp.int32)
-    for number, x in enumerate(scores):
-        x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-        if best is None:
-            best = x
-            continue
-        take = x > best  # a tie keeps the earlier lane: the lower id
-        best, lane = jnp.where(take, x, best), jnp.where(take, number, lane)
+    best, lane = best_lane(tuple(jnp.where(jnp.isnan(x), -jnp.inf, x) for x in scores))  # [T]
     token = index + lane * quads
     top = best.max()
     score_ref[...] = jnp.full((1, 1), top, jnp.float32)

@@ -22,12 +22,12 @@ tokens ``i``, ``i + Q``, ``i + 2Q`` and ``i + 3Q`` (``i < Q``) share one Philox 
 ``w_l`` (words of tokens ``≥ V`` are dropped). One hash per four tokens, with less integer
 work per token than the 20-round Threefry-2x32 block per two tokens this module used before
 (on the H200 the fused race step of an all-sampling batch of 128 rows took 12–13 µs less,
-README note 46). Philox-4x32-10 is
-a counter-based generator that passes TestU01's BigCrush (Salmon et al.), the one cuRAND and
-PyTorch use on GPUs, and is meant to have every word of every block used, so the four words
-are as independent as words of different blocks. Its 32 × 32 → 64-bit products are computed
-exactly in 32-bit arithmetic here (XLA has no such product without 64-bit types); the GPU
-kernel (:mod:`dspark_jax.race_kernel`) uses the hardware's ``mul.hi`` and computes the same words.
+README note 46). Philox-4x32-10 is a counter-based generator that passes TestU01's BigCrush
+(Salmon et al.), the one cuRAND and PyTorch use on GPUs, and is meant to have every word of
+every block used, so the four words are as independent as words of different blocks. Its
+32 × 32 → 64-bit products are computed exactly in 32-bit arithmetic here (XLA has no such
+product without 64-bit types); the GPU kernel (:mod:`dspark_jax.race_kernel`) uses the
+hardware's ``mul.hi`` and computes the same words.
 
 A word ``w`` becomes ``U = (⌊w / 2⁹⌋ + ½) · 2⁻²³``: its top 23 bits pick one of ``2²³``
 equal cells of ``(0, 1)`` and ``U`` is the cell's midpoint, computed exactly in float32 as
@@ -301,6 +301,16 @@ def _max_then_lowest_id(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.
     return jnp.where(take_a, a_score, b_score), jnp.where(take_a, a_id, b_id)
 
 
+def best_lane(lanes: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    """Each block's winner: ``(best score, its lane)`` over the lanes' scores (no NaN), ties
+    to the earlier lane (the lower token id); same shape as each lane, the lane int32."""
+    best, lane = lanes[0], jnp.zeros(lanes[0].shape, jnp.int32)
+    for index, scores in enumerate(lanes[1:], start=1):
+        take = scores > best
+        best, lane = jnp.where(take, scores, best), jnp.where(take, index, lane)
+    return best, lane
+
+
 def _argmax_of_lanes(lanes: tuple[jax.Array, ...]) -> jax.Array:
     """``argmax`` of ``concatenate(lanes, 1)`` ``[B, LANES·Q]`` (no NaN), lowest id on ties → ``[B]`` int32.
 
@@ -308,10 +318,7 @@ def _argmax_of_lanes(lanes: tuple[jax.Array, ...]) -> jax.Array:
     a Philox block is read at the same position; then one pass reduces the block winners.
     """
     quads = lanes[0].shape[1]
-    best, lane = lanes[0], jnp.zeros(lanes[0].shape, jnp.int32)  # [B, Q]
-    for index, scores in enumerate(lanes[1:], start=1):
-        take = scores > best  # a tie keeps the earlier lane: the lower id
-        best, lane = jnp.where(take, scores, best), jnp.where(take, index, lane)
+    best, lane = best_lane(lanes)  # [B, Q]
     ids = jax.lax.broadcasted_iota(jnp.int32, best.shape, 1) + lane * quads  # [B, Q]
     init = (np.float32(-np.inf), np.int32(np.iinfo(np.int32).max))
     _, token = jax.lax.reduce((best, ids), init, _max_then_lowest_id, (1,))
