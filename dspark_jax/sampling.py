@@ -325,6 +325,24 @@ def _argmax_of_lanes(lanes: tuple[jax.Array, ...]) -> jax.Array:
     return token
 
 
+def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Float32 ``x`` rounded to ``dtype``'s values, kept in float32, in a form XLA keeps.
+
+    ``x.astype(dtype).astype(float32)`` is not enough inside a jitted program: XLA:GPU drops
+    such a convert pair when it may keep excess precision (its default), so the race would
+    run on the unrounded logits while the acceptance test's ``q`` is computed from the
+    rounded ones (on the H200 at the 8B vocabulary that moved about 1 % of sampled tokens,
+    README note 46). For formats with float32's exponent range (bfloat16, float32)
+    ``jax.lax.reduce_precision`` rounds exactly as the conversion does and is never
+    simplified away; other formats (float16: its subnormals, which ``reduce_precision``
+    flushes to zero) round through a real conversion behind an optimisation barrier.
+    """
+    info = jnp.finfo(dtype)
+    if info.nexp == jnp.finfo(jnp.float32).nexp:
+        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return jax.lax.optimization_barrier(x.astype(dtype)).astype(jnp.float32)
+
+
 def sample_step(
     logits: jax.Array,
     temperatures: jax.Array,
@@ -358,7 +376,7 @@ def sample_step(
     # V not a multiple of 4: -inf columns complete the last block; they never beat a real token
     # (ties go to lower ids).
     logits = jnp.pad(logits, ((0, 0), (0, LANES * quads - vocab)), constant_values=-jnp.inf)  # [B, 4Q]
-    kept = logits if race_dtype is None else logits.astype(race_dtype).astype(jnp.float32)  # -inf stays -inf
+    kept = logits if race_dtype is None else round_to(logits, race_dtype)  # -inf stays -inf
     words = _block_words(keys, quads)  # LANES × [B, Q]
 
     def scores(lane: int) -> jax.Array:  # [B, Q]

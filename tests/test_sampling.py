@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax import sampling as S
 from dspark_jax.sampling import (
     MIN_TEMPERATURE,
     TOP_K_ALL,
@@ -243,3 +244,23 @@ def test_sample_step_is_float32_for_low_precision_logits():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((8, 40)), jnp.bfloat16)
     got = _sample(logits, np.ones(8, np.float32), np.ones(8, bool), jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(logits.astype(jnp.float32)).argmax(-1))
+
+
+def test_round_to_rounds_as_the_conversion_does_in_a_form_xla_keeps():
+    """``round_to`` equals ``x.astype(dtype).astype(float32)`` (bf16, float16 with its subnormals
+    and overflow, float32) and lowers to ops XLA cannot fold away: ``reduce_precision`` for the
+    float32-range formats, a conversion behind an optimisation barrier for float16 (a bare
+    convert pair is what XLA:GPU drops under excess precision)."""
+    rng = np.random.default_rng(40)
+    special = [np.inf, -np.inf, np.nan, 0.0, -0.0, 65504.0, 65520.0, 1e5, 3.0e38, 1e-45, 6e-8, 3e-8]
+    x = np.concatenate([10 * rng.standard_normal(4096), 1e-5 * rng.standard_normal(512), special]).astype(np.float32)
+    ops = {jnp.bfloat16: "reduce_precision", jnp.float16: "optimization_barrier", jnp.float32: "reduce_precision"}
+    for dtype, op in ops.items():
+        want = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
+        fn = jax.jit(S.round_to, static_argnums=1)
+        np.testing.assert_array_equal(np.asarray(fn(x, dtype)), want)
+        assert f"stablehlo.{op}" in fn.lower(x, dtype).as_text()
+    lowered = jax.jit(S.sample_step, static_argnames="race_dtype").lower(
+        x[None, :64], np.ones(1, np.float32), np.zeros(1, bool), jax.random.key(0), race_dtype=jnp.bfloat16
+    )
+    assert "stablehlo.reduce_precision" in lowered.as_text()
