@@ -328,14 +328,16 @@ def _argmax_of_lanes(lanes: tuple[jax.Array, ...]) -> jax.Array:
 def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Float32 ``x`` rounded to ``dtype``'s values, kept in float32, in a form XLA keeps.
 
-    ``x.astype(dtype).astype(float32)`` is not enough inside a jitted program: XLA:GPU drops
-    such a convert pair when it may keep excess precision (its default), so the race would
-    run on the unrounded logits while the acceptance test's ``q`` is computed from the
-    rounded ones (on the H200 at the 8B vocabulary that moved about 1 % of sampled tokens,
-    README note 46). For formats with float32's exponent range (bfloat16, float32)
-    ``jax.lax.reduce_precision`` rounds exactly as the conversion does and is never
-    simplified away; other formats (float16: its subnormals, which ``reduce_precision``
-    flushes to zero) round through a real conversion behind an optimisation barrier.
+    ``x.astype(dtype).astype(float32)`` is not enough inside a jitted program: XLA's
+    ``SimplifyFPConversions`` pass (run by XLA:GPU when excess precision is allowed, its
+    default) removes such an ``f32 → bf16 → f32`` pair, so the race would run on the
+    unrounded logits while the acceptance test's ``q`` is computed from the rounded ones
+    (the likely cause of the jitted XLA race picking about 1 % of tokens differently from
+    the eager one on the H200 at the 8B vocabulary, README note 46). For formats with
+    float32's exponent range (bfloat16, float32) ``jax.lax.reduce_precision`` rounds exactly
+    as the conversion does and is never simplified away; other formats (float16: its
+    subnormals, which ``reduce_precision`` flushes to zero) round through a real conversion
+    behind an optimisation barrier.
     """
     info = jnp.finfo(dtype)
     if info.nexp == jnp.finfo(jnp.float32).nexp:
