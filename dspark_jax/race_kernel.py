@@ -104,10 +104,11 @@ def _mul_hi_lo_gpu(a: jax.Array, m: np.uint32) -> tuple[jax.Array, jax.Array]:
 
 
 def _tile(batch: int, quads: int) -> int:
-    """Philox blocks per program: 512 (2048 tokens) from batch 32 up, 128 below (so a small
-    batch still fills the GPU), at most the largest power of two ≤ ``quads``. On the H200 at
-    the 8B vocabulary, 512 blocks and 4 warps ran batch-32 and batch-128 sampling steps fastest
-    of 256 or 512 blocks with 4 or 8 warps."""
+    """Philox blocks per program: 512 (2048 tokens) from batch 32 up, 128 (512 tokens, as many
+    as the pair layout's 256 pairs before; not swept again) below, so a small batch still fills
+    the GPU; at most the largest power of two ≤ ``quads``. On the H200 at the 8B vocabulary,
+    512 blocks and 4 warps ran batch-32 and batch-128 sampling steps fastest of 256 or 512
+    blocks with 4 or 8 warps."""
     want = 512 if batch >= 32 else 128
     return min(want, 1 << (quads.bit_length() - 1))
 
