@@ -12,9 +12,13 @@ race block ``j`` of row ``b`` (tokens ``[j·W, (j + 1)·W)``; the last program r
 ``W`` tokens and masks those of the block before), writes their corrected logits into slot
 ``k`` of the ``[B, γ, V]`` output in place (the buffer is aliased from step to step, so
 nothing is stacked), and writes the block's ``(top, mass)`` for a sampling row
-(:func:`dspark_jax.sampling.block_mass`) or its best score and token for a greedy row. Small
-XLA ops then finish the two-level race (:func:`dspark_jax.sampling.race_blocks`: the blocks'
-race, then the ``W`` tokens of the winning block, read back from ``base`` and ``bias``).
+(:func:`dspark_jax.sampling.block_mass`) or its best score and token for a greedy row. A
+second kernel, one program per row, picks the token as
+:func:`dspark_jax.sampling.race_blocks` does (the blocks' race, then the ``W`` tokens of the
+winning block, read back from ``base`` and ``bias``), hashing its Philox blocks with the
+hardware's ``mul.hi``/``mul.lo``: in XLA the hash's 32-bit products are emulated in 16-bit
+halves, which made the sampling programs several times larger and their compilation slower
+(README note 47).
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
 ``exp`` through libdevice as XLA does, the division rounded to nearest as XLA's, the block
@@ -40,14 +44,16 @@ from jax.experimental import pallas as pl
 from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.sampling import (
+    BLOCK_NOISE,
+    MASS_SCALE,
     RACE_BLOCK,
+    TOKEN_NOISE,
     _key_words,
-    _slice_rows,
-    argmax_lowest,
+    _log_exponential,
     block_mass,
-    race_blocks,
+    mul_hi_lo,
+    philox4x32,
     race_width,
-    round_to,
     step_keys,
 )
 
@@ -81,6 +87,32 @@ def race_supported(vocab: int) -> bool:
 def use_race_kernel(vocab: int) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace, from :func:`race_choice`."""
     return kernel_mode(RACE_ENV, race_supported(vocab))
+
+
+def _mul_hi_lo_gpu(a: jax.Array, m: np.uint32) -> tuple[jax.Array, jax.Array]:
+    """:func:`dspark_jax.sampling.mul_hi_lo` through the hardware: ``mul.hi.u32`` and ``mul.lo.u32``
+    (Triton's integers are signless: the operands pass as int32 bit patterns). A scalar takes
+    the exact 32-bit arithmetic instead."""
+    if jnp.ndim(a) == 0:
+        return mul_hi_lo(a, m)
+    from jax.experimental.pallas import triton as plgpu
+
+    cast = jax.lax.bitcast_convert_type
+    args = [cast(a, jnp.int32), cast(jnp.full(a.shape, m, jnp.uint32), jnp.int32)]
+    out = jax.ShapeDtypeStruct(a.shape, jnp.int32)
+    words = []
+    for part in ("hi", "lo"):
+        [word] = plgpu.elementwise_inline_asm(
+            f"mul.{part}.u32 $0, $1, $2;", args=args, constraints="=r,r,r", pack=1, result_shape_dtypes=[out]
+        )
+        words.append(cast(word, jnp.uint32))
+    return words[0], words[1]
+
+
+def _noise(k0: jax.Array, k1: jax.Array, counter: jax.Array, domain: int, interpret: bool) -> jax.Array:
+    """:func:`dspark_jax.sampling._noise` for one row inside a kernel (key words as scalars)."""
+    mul = mul_hi_lo if interpret else _mul_hi_lo_gpu
+    return _log_exponential(philox4x32(k0, k1, (counter, domain, 0, 0), mul=mul)[0])
 
 
 def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
@@ -138,6 +170,43 @@ def _kernel(step_ref, t_ref, greedy_ref, base_ref, bias_ref, *refs, vocab, width
     top_ref[...] = jnp.full((1, 1), top, jnp.float32)
     mass_ref[...] = jnp.full((1, 1), mass, jnp.float32)
     token_ref[...] = jnp.full((1, 1), token, jnp.int32)
+
+
+def _pick_kernel(
+    step_ref, t_ref, greedy_ref, words_ref, top_ref, mass_ref, token_ref, base_ref, bias_ref, out_ref, **static
+):
+    """Program ``b``: row ``b``'s token from its blocks' ``(top, mass, token)`` ``[B, P]`` (columns
+    from ``NB`` on unwritten, masked), as :func:`dspark_jax.sampling.race_blocks` picks it: the
+    blocks' race, then the winning block's tokens, read back from ``base`` and ``bias``."""
+    vocab, width, blocks, interpret = (static[name] for name in ("vocab", "width", "blocks", "interpret"))
+    b = pl.program_id(0)
+    step = step_ref[0]
+    span = top_ref.shape[1]
+    column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+    real = column < blocks
+    top = jnp.where(real, top_ref[b, :], -jnp.inf)
+
+    def greedy():  # each block's best float32 logit and lowest id holding it
+        best = top.max()
+        return jnp.where(real & (top == best), token_ref[b, :], _NO_TOKEN).min()
+
+    def sampled():
+        k0, k1 = words_ref[b, step, 0], words_ref[b, step, 1]
+        log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass_ref[b, :] * (1 / MASS_SCALE)))
+        scores = log_p - _noise(k0, k1, column.astype(jnp.uint32), BLOCK_NOISE, interpret)
+        scores = jnp.where(real, scores, -jnp.inf)
+        block = jnp.where(scores == scores.max(), column, _NO_TOKEN).min()
+        first = block * width
+        start = jnp.minimum(first, vocab - width)
+        at = pl.ds(start, width)
+        summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
+        kept = summed.astype(base_ref.dtype).astype(jnp.float32)
+        ids = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        raced = _divide(kept, t_ref[b], interpret) - _noise(k0, k1, ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
+        raced = jnp.where((ids >= first) & ~jnp.isnan(raced), raced, -jnp.inf)
+        return jnp.where(raced == raced.max(), ids, _NO_TOKEN).min()
+
+    out_ref[...] = jnp.full((1, 1), jax.lax.cond(greedy_ref[b] != 0, greedy, sampled), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
@@ -203,7 +272,8 @@ def race_step(
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=_WARPS, num_stages=1)
-    per_block = jax.ShapeDtypeStruct((batch, blocks), jnp.float32)
+    span = 1 << (blocks - 1).bit_length()  # the pick kernel loads a power of two of columns
+    per_block = jax.ShapeDtypeStruct((batch, span), jnp.float32)
     out, top, mass, token = pl.pallas_call(
         kernel,
         grid=(batch, blocks),
@@ -213,22 +283,26 @@ def race_step(
             jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
             per_block,
             per_block,
-            jax.ShapeDtypeStruct((batch, blocks), jnp.int32),
+            jax.ShapeDtypeStruct((batch, span), jnp.int32),
         ],
         input_output_aliases=aliases,
         interpret=interpret,
         name="dspark_race_step",
         **params,
     )(*args)
-    _, best = argmax_lowest(top, token)  # greedy rows
-
-    def window(start: jax.Array) -> jax.Array:  # [B, W] kept values, from the inputs (not the aliased output)
-        row = jax.lax.dynamic_index_in_dim(base, step, 1, keepdims=False)  # [B, V]
-        summed = [_slice_rows(x, start, width).astype(jnp.float32) for x in (row, bias)]
-        return round_to(summed[0] + summed[1], base.dtype)
-
-    sampled = race_blocks(top, mass, key_words[:, step], t[:, None], vocab, window)
-    return jnp.where(greedy, best, sampled), out
+    pick = functools.partial(_pick_kernel, vocab=vocab, width=width, blocks=blocks, interpret=interpret)
+    blocks_in = [args[0], t, args[2], key_words.astype(jnp.uint32), top, mass, token, base, bias]
+    tokens = pl.pallas_call(
+        pick,
+        grid=(batch,),
+        in_specs=[_whole(x.shape) for x in blocks_in],
+        out_specs=pl.BlockSpec((1, 1), lambda b: (b, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+        interpret=interpret,
+        name="dspark_race_pick",
+        **params,
+    )(*blocks_in)
+    return tokens[:, 0], out
 
 
 def step_key_words(keys: jax.Array, gamma: int) -> jax.Array:

@@ -71,7 +71,8 @@ RACE_BLOCK = 1024
 """Tokens per block of the two-level race (the last block of a row may be shorter; a
 vocabulary of at most this many tokens is one block)."""
 
-_MASS_SCALE = 2.0**30  # a block's mass counts exp(x − top) in units of 2⁻³⁰
+MASS_SCALE = 2.0**30
+"""A race block's mass counts ``exp(x − top)`` in units of ``2⁻³⁰`` (:func:`block_mass`)."""
 
 _PHILOX_M = (np.uint32(0xD2511F53), np.uint32(0xCD9E8D57))  # round multipliers
 _PHILOX_W = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))  # key increments (Weyl sequence)
@@ -356,7 +357,7 @@ def block_mass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     finite = jnp.isfinite(top)
     shift = jnp.where(finite, top, 0.0)[..., None]
     terms = jnp.where(finite[..., None], jnp.exp(x - shift), 0.0)  # [..., W] in [0, 1]
-    n = (terms * _MASS_SCALE + 0.5).astype(jnp.int32)  # ≤ 2³⁰: round to nearest integer
+    n = (terms * MASS_SCALE + 0.5).astype(jnp.int32)  # ≤ 2³⁰: round to nearest integer
     high, low = (n >> 15).sum(-1), (n & 0x7FFF).sum(-1)
     return top, high.astype(jnp.float32) * 2.0**15 + low.astype(jnp.float32)
 
@@ -372,7 +373,7 @@ def block_scores(top: jax.Array, mass: jax.Array, words: jax.Array) -> jax.Array
       float32 ``[B, NB]``: ``+inf`` for a block holding a ``+inf`` score, ``-inf`` for an all
       ``-inf`` block.
     """
-    log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / _MASS_SCALE)))  # -inf + log 0 = -inf
+    log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))  # -inf + log 0 = -inf
     blocks = jnp.arange(top.shape[-1], dtype=jnp.uint32)[None]
     return log_p - _noise(words, blocks, BLOCK_NOISE)
 
