@@ -425,6 +425,22 @@ def _inputs(cfg: DraftConfig, batch: int, context: int, capacity: int, seed: int
     }
 
 
+def _token_parity(reference: dict[str, tuple[str, np.ndarray]], mode: str, path: str, block: Any) -> dict[str, Any]:
+    """A path's draft tokens against the first path of its batch and mode (same inputs and key).
+
+    Args:
+      reference: ``mode -> (path, tokens [B, γ])`` of this batch; the first call per mode sets it.
+      mode, path: the row's.
+      block: the path's :class:`~dspark_jax.proposal.DraftBlock`.
+
+    Returns:
+      The row's ``tokens_reference`` (that path), ``tokens_differ`` and ``tokens_compared``.
+    """
+    tokens = np.asarray(block.draft_tokens)
+    ref_path, ref = reference.setdefault(mode, (path, tokens))
+    return {"tokens_reference": ref_path, "tokens_differ": int(np.sum(tokens != ref)), "tokens_compared": tokens.size}
+
+
 def bench_propose(
     cfg: DraftConfig,
     graphdef: nnx.GraphDef,
@@ -451,6 +467,10 @@ def bench_propose(
     gather, the folded round; inputs on the host as a server holds them) and ``eager``
     (:func:`~dspark_jax.proposal.propose_eager`).
 
+    Every row also compares the path's draft tokens with those of the first path timed for
+    its batch and mode, from the same inputs and key (:func:`_token_parity`); the ``proposer``
+    reads its own cache slots, so it is compared with the split round run on those slots.
+
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
       memory row per batch. Batches run in ascending order so the device's peak memory
@@ -476,6 +496,8 @@ def bench_propose(
         host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
         mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
         pending: list[tuple[dict[str, Any], Callable[[], Any]]] = []  # (row so far, its call)
+        reference: dict[str, tuple[str, np.ndarray]] = {}  # mode -> first path's tokens (_token_parity)
+        proposer_blocks = {}  # mode -> the Proposer's first result
         for path, fold_sampling, path_modes in (
             ("folded_greedy", False, ("greedy",)),
             ("folded", True, MODES),
@@ -501,7 +523,7 @@ def bench_propose(
                     return fn(*args, fold_sampling=fold_sampling)
 
                 t0 = time.perf_counter()
-                jax.block_until_ready(call())
+                first = jax.block_until_ready(call())
                 row = {
                     "batch": batch,
                     "mode": mode,
@@ -512,6 +534,7 @@ def bench_propose(
                     "floor_ms": floor,
                     "floor_bound": bound,
                     "floor_copy_ms": floor_copy,
+                    **_token_parity(reference, mode, path, first),
                 }
                 pending.append((row, call))
         for mode in modes if "proposer" in paths else ():
@@ -520,7 +543,7 @@ def bench_propose(
             def call_proposer(temps=temps, top_k=top_k, host=host):
                 return proposer(shared, host["bonus"], host["prefix_lens"], temps, top_k, key)
 
-            jax.block_until_ready(call_proposer())
+            proposer_blocks[mode] = jax.block_until_ready(call_proposer())
             pending.append(({"batch": batch, "mode": mode, "path": "proposer"}, call_proposer))
         mem_row["peak_after_first_calls_bytes"] = _memory_stat("peak_bytes_in_use")
         # every path and mode of this batch timed in interleaved rounds (time_calls)
@@ -534,13 +557,25 @@ def bench_propose(
                     row["profile"] = {"error": repr(err)}
             rows.append(row)
         mem_row["peak_after_timing_bytes"] = _memory_stat("peak_bytes_in_use")
+        if proposer_blocks:  # the split round on the Proposer's slots 0..B-1
+            slots = ContextCache(k=shared.k[:, :batch], v=shared.v[:, :batch])
+            for row, _ in pending:
+                if row["path"] == "proposer":
+                    temps, top_k = sampling_params(batch, row["mode"])
+                    on_slots = split(slots, inp["bonus"], inp["prefix_lens"], temps, top_k, key, fold_sampling=True)
+                    own = {row["mode"]: ("split (the Proposer's slots)", np.asarray(on_slots.draft_tokens))}
+                    row.update(_token_parity(own, row["mode"], "proposer", proposer_blocks[row["mode"]]))
+            del slots
         for mode in modes if "eager" in paths and eager_iters else ():
             temps, top_k = sampling_params(batch, mode)
 
             def call_eager(temps=temps, top_k=top_k, inp=inp):
                 return propose_eager(draft, inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
 
-            rows.append({"batch": batch, "mode": mode, "path": "eager", **time_call(call_eager, iters=eager_iters)})
+            parity = _token_parity(reference, mode, "eager", call_eager())
+            rows.append(
+                {"batch": batch, "mode": mode, "path": "eager", **time_call(call_eager, iters=eager_iters), **parity}
+            )
         memory.append(mem_row)
         inp.clear()  # frees this batch's cache before the next batch's is built
     return rows, memory
@@ -972,6 +1007,22 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(torch_rows.get((*key, 'eager')) if paired else None):>11} "
             f"{_fmt(graph):>11} {_fmt(graph / r['median_ms'] if graph else None, '.2f'):>9} "
             f"{_fmt(graph / r['spin_median_ms'] if graph and r.get('spin_median_ms') else None, '.2f'):>10}"
+        )
+    compared = [r for r in result.get("propose", []) if r.get("tokens_compared")]
+    differing = [r for r in compared if r["tokens_differ"]]
+    if differing:
+        lines.append(
+            "draft tokens DIFFER from the first path of the same batch and mode (same inputs and key): "
+            + "; ".join(
+                f"batch {r['batch']} {r['mode']} {r['path']}: {r['tokens_differ']} of {r['tokens_compared']} "
+                f"against {r['tokens_reference']}"
+                for r in differing
+            )
+        )
+    elif compared:
+        lines.append(
+            f"draft tokens: every path picks the same tokens as the first path of its batch and mode "
+            f"(same inputs and key; {len(compared)} rows)"
         )
     if "error" in result.get("torch", {}):
         lines.append(f"torch baseline failed: {result['torch']['error'].strip().splitlines()[-1]}")

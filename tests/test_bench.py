@@ -1,6 +1,8 @@
 """The benchmark runs at tiny shapes on a CPU and reports what it promises (no timing assertions)."""
 
+import copy
 import json
+import types
 
 import jax
 import numpy as np
@@ -61,6 +63,35 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_RACE=auto)" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
+
+
+def test_every_path_picks_the_tokens_of_the_first_path(tiny_result):
+    """Same inputs and key: the folded, split, static, Proposer and eager rounds agree token for
+    token (greedy and sampling rows), and the table says so."""
+    gamma = bench.draft_config(bench.SHAPES["tiny"]).gamma
+    rows = tiny_result["propose"]
+    for r in rows:
+        assert r["tokens_compared"] == r["batch"] * gamma and r["tokens_differ"] == 0, r
+    refs = {(r["mode"], r["path"]): r["tokens_reference"] for r in rows}
+    assert refs[("greedy", "split_greedy")] == refs[("greedy", "eager")] == "folded_greedy"
+    assert refs[("sampling", "split")] == refs[("sampling", "eager")] == "folded"
+    assert refs[("mixed", "proposer")] == "split (the Proposer's slots)"
+    assert "every path picks the same tokens as the first path of its batch and mode" in bench.format_table(tiny_result)
+
+
+def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_result):
+    reference = {}
+    block = types.SimpleNamespace(draft_tokens=np.array([[1, 2, 3], [4, 5, 6]]))
+    assert bench._token_parity(reference, "mixed", "folded", block)["tokens_differ"] == 0
+    other = types.SimpleNamespace(draft_tokens=np.array([[1, 2, 9], [4, 0, 6]]))
+    got = bench._token_parity(reference, "mixed", "split", other)
+    assert got == {"tokens_reference": "folded", "tokens_differ": 2, "tokens_compared": 6}
+    result = copy.deepcopy(tiny_result)
+    row = next(r for r in result["propose"] if (r["mode"], r["path"]) == ("mixed", "split"))
+    row["tokens_differ"] = 3
+    table = bench.format_table(result)
+    assert "draft tokens DIFFER" in table and "batch 1 mixed split: 3 of 7 against folded" in table
+    assert "every path picks the same tokens" not in table
 
 
 def test_forced_accept_distribution_has_the_requested_mean():
