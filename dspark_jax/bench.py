@@ -497,7 +497,7 @@ def bench_propose(
         mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
         pending: list[tuple[dict[str, Any], Callable[[], Any]]] = []  # (row so far, its call)
         reference: dict[str, tuple[str, np.ndarray]] = {}  # mode -> first path's tokens (_token_parity)
-        proposer_blocks = {}  # mode -> the Proposer's first result
+        proposer_blocks: dict[str, Any] = {}  # mode -> the Proposer's first DraftBlock
         for path, fold_sampling, path_modes in (
             ("folded_greedy", False, ("greedy",)),
             ("folded", True, MODES),
