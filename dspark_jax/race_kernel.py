@@ -1,32 +1,35 @@
 """One sampling step of the folded Markov walk as one Pallas (Triton) kernel on GPUs.
 
-Shape legend: B batch, γ block slots, V vocabulary, Q = V / 4 Philox blocks per row (four
-tokens each), T blocks per program, NB = ⌈Q / T⌉ programs per row.
+Shape legend: B batch, γ block slots, V vocabulary, W tokens per race block
+(:func:`dspark_jax.sampling.race_width`), NB = ⌈V / W⌉ blocks per row.
 
 Step ``k`` of the folded walk (:func:`dspark_jax.markov.markov_walk` with
-:func:`dspark_jax.sampling.sample_step`) forms the corrected logits
-``base[:, k] + bias`` in float32, keeps them in the base logits' dtype for the block's
-``[B, γ, V]`` corrected logits and races the kept values against fresh exponential noise
-(greedy rows take the plain argmax of the float32 sum). XLA
-runs that as a noise-and-race fusion that writes its scores, a reduction that reads them
-back, and, after the walk, a copy that stacks the γ steps' logits (measured on the H200 at
-batch 128: 75 + 25 µs per step and 0.27 ms for the stack). :func:`race_step` does it in one
-kernel per step: program ``(b, j)`` reads blocks ``[j·T, (j + 1)·T)`` of row ``b`` (tokens
-``i``, ``i + Q``, ``i + 2Q`` and ``i + 3Q``, the four words of one Philox-4x32-10 block),
-writes their corrected logits into slot ``k`` of the ``[B, γ, V]`` output in place (the
-buffer is aliased from step to step, so nothing is stacked), hashes the noise only for
-sampling rows, and writes its blocks' best score and token; a small XLA reduction picks each
-row's token.
+:func:`dspark_jax.sampling.sample_step`) forms the corrected logits ``base[:, k] + bias`` in
+float32, keeps them in the base logits' dtype for the block's ``[B, γ, V]`` corrected logits
+and races the kept values (greedy rows take the plain argmax of the float32 sum).
+:func:`race_step` does the pass over ``V`` in one kernel per step: program ``(b, j)`` reads
+race block ``j`` of row ``b`` (tokens ``[j·W, (j + 1)·W)``; the last program reads the last
+``W`` tokens and masks those of the block before), writes their corrected logits into slot
+``k`` of the ``[B, γ, V]`` output in place (the buffer is aliased from step to step, so
+nothing is stacked), and writes the block's ``(top, mass)`` for a sampling row
+(:func:`dspark_jax.sampling.block_mass`) or its best score and token for a greedy row. A
+second kernel, one program per row, picks the token as
+:func:`dspark_jax.sampling.race_blocks` does (the blocks' race, then the ``W`` tokens of the
+winning block, read back from ``base`` and ``bias``), hashing its Philox blocks with the
+hardware's ``mul.hi``/``mul.lo``: in XLA the hash's 32-bit products are emulated in 16-bit
+halves, which made the sampling programs several times larger and their compilation slower
+(README note 47).
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
-``log`` through libdevice as XLA does, division rounded to nearest as XLA's, the Philox
-products through ``mul.hi.u32``/``mul.lo.u32``; ties to the lowest token id, NaN as
-``-inf``), so the kernel and the XLA sampler pick the same tokens from the same keys (tested
-through the Pallas interpreter; on the H200 against the XLA sampler, see README).
+``exp`` through libdevice as XLA does, the division rounded to nearest as XLA's, the block
+mass summed exactly as integers; ties to the lowest token id, NaN as ``-inf``), so the kernel
+and the XLA sampler pick the same tokens from the same keys (tested through the Pallas
+interpreter; on the H200 against the XLA sampler, see README).
 
-:func:`race_supported` says when the kernel applies (``V`` a multiple of 4 with ``Q ≥ 64``)
-and :func:`use_race_kernel` whether this trace uses it (:data:`RACE_ENV`; by default on GPU
-backends only). ``interpret=True`` runs it through the Pallas interpreter on any backend.
+:func:`race_supported` says when the kernel applies (``V ≥`` :data:`RACE_BLOCK`, or ``V`` a
+power of two of at least 64, one block) and :func:`use_race_kernel` whether this trace uses
+it (:data:`RACE_ENV`; by default on GPU backends only). ``interpret=True`` runs it through
+the Pallas interpreter on any backend.
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ from jax.experimental import pallas as pl
 from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.sampling import (
-    LANES,
+    BLOCK_NOISE,
+    MASS_SCALE,
+    RACE_BLOCK,
+    TOKEN_NOISE,
     _key_words,
     _log_exponential,
-    _max_then_lowest_id,
-    best_lane,
+    block_mass,
     mul_hi_lo,
     philox4x32,
+    race_width,
     step_keys,
 )
 
@@ -72,10 +78,10 @@ def race_choice() -> str:
 
 
 def race_supported(vocab: int) -> bool:
-    """True when the kernel applies: a vocabulary of at least 256 tokens that is a multiple of
-    4 (so every program's blocks lie inside the row, the last program's range clamped to the
-    end)."""
-    return vocab % LANES == 0 and vocab >= 256
+    """True when the kernel applies: at least :data:`RACE_BLOCK` tokens (the last block's
+    program reads the last ``W`` tokens), or one block of a power of two of at least 64 tokens
+    (Triton's tiles are powers of two)."""
+    return vocab >= RACE_BLOCK or (vocab >= 64 and vocab & (vocab - 1) == 0)
 
 
 def use_race_kernel(vocab: int) -> tuple[bool, bool]:
@@ -85,8 +91,8 @@ def use_race_kernel(vocab: int) -> tuple[bool, bool]:
 
 def _mul_hi_lo_gpu(a: jax.Array, m: np.uint32) -> tuple[jax.Array, jax.Array]:
     """:func:`dspark_jax.sampling.mul_hi_lo` through the hardware: ``mul.hi.u32`` and ``mul.lo.u32``
-    (Triton's integers are signless: the operands pass as int32 bit patterns). A scalar (a
-    program's key word, uniform over its tokens) takes the exact 32-bit arithmetic instead."""
+    (Triton's integers are signless: the operands pass as int32 bit patterns). A scalar takes
+    the exact 32-bit arithmetic instead."""
     if jnp.ndim(a) == 0:
         return mul_hi_lo(a, m)
     from jax.experimental.pallas import triton as plgpu
@@ -103,14 +109,10 @@ def _mul_hi_lo_gpu(a: jax.Array, m: np.uint32) -> tuple[jax.Array, jax.Array]:
     return words[0], words[1]
 
 
-def _tile(batch: int, quads: int) -> int:
-    """Philox blocks per program: 512 (2048 tokens) from batch 32 up, 128 (512 tokens, as many
-    as the pair layout's 256 pairs before; not swept again) below, so a small batch still fills
-    the GPU; at most the largest power of two ≤ ``quads``. On the H200 at the 8B vocabulary,
-    512 blocks and 4 warps ran batch-32 and batch-128 sampling steps fastest of 256 or 512
-    blocks with 4 or 8 warps."""
-    want = 512 if batch >= 32 else 128
-    return min(want, 1 << (quads.bit_length() - 1))
+def _noise(k0: jax.Array, k1: jax.Array, counter: jax.Array, domain: int, interpret: bool) -> jax.Array:
+    """:func:`dspark_jax.sampling._noise` for one row inside a kernel (key words as scalars)."""
+    mul = mul_hi_lo if interpret else _mul_hi_lo_gpu
+    return _log_exponential(philox4x32(k0, k1, (counter, domain, 0, 0), mul=mul)[0])
 
 
 def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
@@ -130,40 +132,81 @@ def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     return out
 
 
-def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, quads, tile, interpret):
-    """Program ``(b, j)``: Philox blocks ``[j·T, (j + 1)·T)`` of row ``b`` (the last range clamped to end at ``Q``).
+def _kernel(step_ref, t_ref, greedy_ref, base_ref, bias_ref, *refs, vocab, width, interpret):
+    """Program ``(b, j)``: race block ``j`` of row ``b``.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``t``, ``greedy`` ``[B]``, ``words`` ``[B, γ, 2]``, ``base`` ``[B, γ, V]``,
-    ``bias`` ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the
-    outputs: corrected logits ``[B, γ, V]``, this program's best score and token ``[1, 1]``.
+    ``t``, ``greedy`` ``[B]``, ``base`` ``[B, γ, V]``, ``bias`` ``[B, V]``, (the aliased
+    corrected logits ``[B, γ, V]`` after step 0), then the outputs: corrected logits
+    ``[B, γ, V]``, the block's top, mass and token ``[1, 1]`` each (a greedy row: its best
+    float32 logit, 0 and the lowest id holding it; a sampling row: ``block_mass`` of
+    ``kept / T`` and 0).
     """
-    corrected_ref, score_ref, token_ref = refs[-3:]
+    corrected_ref, top_ref, mass_ref, token_ref = refs[-4:]
     b = pl.program_id(0)
     step = step_ref[0]
-    start = jnp.minimum(pl.program_id(1) * tile, quads - tile)
-    lanes = [pl.ds(lane * quads + start, tile) for lane in range(LANES)]  # tokens i + l·Q
-    summed = [base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32) for at in lanes]  # [T]
-    kept = [x.astype(corrected_ref.dtype) for x in summed]  # the base logits' dtype
-    for at, x in zip(lanes, kept, strict=True):
-        corrected_ref[b, step, at] = x
-    index = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # block i: tokens i + l·Q
+    first = pl.program_id(1) * width
+    start = jnp.minimum(first, vocab - width)  # the last program reads the last W tokens
+    at = pl.ds(start, width)
+    summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
+    kept = summed.astype(corrected_ref.dtype)  # the base logits' dtype
+    corrected_ref[b, step, at] = kept
+    index = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    owned = index >= first  # the rest belongs to the block before
 
-    def race():  # on the kept values: q = softmax(kept / T) is the law of the pick
-        counter = (index.astype(jnp.uint32), 0, 0, 0)
-        mul = mul_hi_lo if interpret else _mul_hi_lo_gpu
-        words = philox4x32(words_ref[b, step, 0], words_ref[b, step, 1], counter, mul=mul)
-        t = t_ref[b]
-        return tuple(
-            _divide(x.astype(jnp.float32), t, interpret) - _log_exponential(w) for x, w in zip(kept, words, strict=True)
-        )
+    # Each branch returns traced values, not literals (Triton's scf.yield takes values only).
+    def greedy():
+        x = jnp.where(owned & ~jnp.isnan(summed), summed, -jnp.inf)
+        top = x.max()
+        token = jnp.where(owned & (x == top), index, _NO_TOKEN).min()
+        return top, (token * 0).astype(jnp.float32), token
 
-    scores = jax.lax.cond(greedy_ref[b] != 0, lambda: tuple(summed), race)
-    best, lane = best_lane(tuple(jnp.where(jnp.isnan(x), -jnp.inf, x) for x in scores))  # [T]
-    token = index + lane * quads
-    top = best.max()
-    score_ref[...] = jnp.full((1, 1), top, jnp.float32)
-    token_ref[...] = jnp.full((1, 1), jnp.where(best == top, token, _NO_TOKEN).min(), jnp.int32)
+    def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
+        x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
+        top, mass = block_mass(jnp.where(owned & ~jnp.isnan(x), x, -jnp.inf))
+        return top, mass, (mass * 0).astype(jnp.int32)
+
+    top, mass, token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
+    top_ref[...] = jnp.full((1, 1), top, jnp.float32)
+    mass_ref[...] = jnp.full((1, 1), mass, jnp.float32)
+    token_ref[...] = jnp.full((1, 1), token, jnp.int32)
+
+
+def _pick_kernel(
+    step_ref, t_ref, greedy_ref, words_ref, top_ref, mass_ref, token_ref, base_ref, bias_ref, out_ref, **static
+):
+    """Program ``b``: row ``b``'s token from its blocks' ``(top, mass, token)`` ``[B, P]`` (columns
+    from ``NB`` on unwritten, masked), as :func:`dspark_jax.sampling.race_blocks` picks it: the
+    blocks' race, then the winning block's tokens, read back from ``base`` and ``bias``."""
+    vocab, width, blocks, interpret = (static[name] for name in ("vocab", "width", "blocks", "interpret"))
+    b = pl.program_id(0)
+    step = step_ref[0]
+    span = top_ref.shape[1]
+    column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+    real = column < blocks
+    top = jnp.where(real, top_ref[b, :], -jnp.inf)
+
+    def greedy():  # each block's best float32 logit and lowest id holding it
+        best = top.max()
+        return jnp.where(real & (top == best), token_ref[b, :], _NO_TOKEN).min()
+
+    def sampled():
+        k0, k1 = words_ref[b, step, 0], words_ref[b, step, 1]
+        log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass_ref[b, :] * (1 / MASS_SCALE)))
+        scores = log_p - _noise(k0, k1, column.astype(jnp.uint32), BLOCK_NOISE, interpret)
+        scores = jnp.where(real, scores, -jnp.inf)
+        block = jnp.where(scores == scores.max(), column, _NO_TOKEN).min()
+        first = block * width
+        start = jnp.minimum(first, vocab - width)
+        at = pl.ds(start, width)
+        summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
+        kept = summed.astype(base_ref.dtype).astype(jnp.float32)
+        ids = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        raced = _divide(kept, t_ref[b], interpret) - _noise(k0, k1, ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
+        raced = jnp.where((ids >= first) & ~jnp.isnan(raced), raced, -jnp.inf)
+        return jnp.where(raced == raced.max(), ids, _NO_TOKEN).min()
+
+    out_ref[...] = jnp.full((1, 1), jax.lax.cond(greedy_ref[b] != 0, greedy, sampled), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
@@ -187,8 +230,8 @@ def race_step(
         place), or ``None`` at the first step (a new buffer; its other slots are written by
         the later steps).
       temperatures: ``[B]`` float32, clamped (:func:`dspark_jax.sampling.clamp_temperatures`).
-      greedy: ``[B]`` bool, True for rows that take the argmax (they never hash noise).
-      key_words: ``uint32 [B, γ, 2]`` every step's per-row key words (the Philox key)
+      greedy: ``[B]`` bool, True for rows that take the argmax (they draw no noise).
+      key_words: ``uint32 [B, γ, 2]`` every step's per-row key words (the Philox keys)
         (:func:`step_key_words`; one array for the whole walk, so that XLA makes them in
         one kernel rather than one per step); this step reads slot ``step``.
       step: ``k`` (int32 scalar, may be traced).
@@ -201,12 +244,12 @@ def race_step(
     batch, gamma, vocab = base.shape
     if not race_supported(vocab):
         raise ValueError(
-            f"vocab={vocab} is not supported by the race kernel: must be a multiple of {LANES} and at least 256"
+            f"vocab={vocab} is not supported by the race kernel: must be at least {RACE_BLOCK}, "
+            "or a power of two of at least 64"
         )
-    quads = vocab // LANES
-    tile = _tile(batch, quads)
-    blocks = -(-quads // tile)
-    kernel = functools.partial(_kernel, quads=quads, tile=tile, interpret=interpret)
+    width = race_width(vocab)
+    blocks = -(-vocab // width)
+    kernel = functools.partial(_kernel, vocab=vocab, width=width, interpret=interpret)
     if key_words.shape != (batch, gamma, 2):
         raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
     if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
@@ -214,15 +257,10 @@ def race_step(
             f"corrected has shape {corrected.shape} and dtype {corrected.dtype}: must be base's, "
             f"{base.shape} {base.dtype} (the corrected logits are kept in the base logits' dtype)"
         )
-    in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), key_words.shape, base.shape, bias.shape)]
-    args = [
-        jnp.reshape(jnp.asarray(step, jnp.int32), (1,)),
-        temperatures.astype(jnp.float32),
-        greedy.astype(jnp.int32),
-        key_words.astype(jnp.uint32),
-        base,
-        bias,
-    ]
+    step = jnp.asarray(step, jnp.int32)
+    t = temperatures.astype(jnp.float32)
+    in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), base.shape, bias.shape)]
+    args = [jnp.reshape(step, (1,)), t, greedy.astype(jnp.int32), base, bias]
     aliases = {}
     if corrected is not None:
         in_specs.append(_whole(corrected.shape))
@@ -234,24 +272,37 @@ def race_step(
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=_WARPS, num_stages=1)
-    out, score, token = pl.pallas_call(
+    span = 1 << (blocks - 1).bit_length()  # the pick kernel loads a power of two of columns
+    per_block = jax.ShapeDtypeStruct((batch, span), jnp.float32)
+    out, top, mass, token = pl.pallas_call(
         kernel,
         grid=(batch, blocks),
         in_specs=in_specs,
-        out_specs=[_whole((batch, gamma, vocab)), one, one],
+        out_specs=[_whole((batch, gamma, vocab)), one, one, one],
         out_shape=[
             jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
-            jax.ShapeDtypeStruct((batch, blocks), jnp.float32),
-            jax.ShapeDtypeStruct((batch, blocks), jnp.int32),
+            per_block,
+            per_block,
+            jax.ShapeDtypeStruct((batch, span), jnp.int32),
         ],
         input_output_aliases=aliases,
         interpret=interpret,
         name="dspark_race_step",
         **params,
     )(*args)
-    init = (np.float32(-np.inf), _NO_TOKEN)
-    _, tokens = jax.lax.reduce((score, token), init, _max_then_lowest_id, (1,))
-    return tokens, out
+    pick = functools.partial(_pick_kernel, vocab=vocab, width=width, blocks=blocks, interpret=interpret)
+    blocks_in = [args[0], t, args[2], key_words.astype(jnp.uint32), top, mass, token, base, bias]
+    tokens = pl.pallas_call(
+        pick,
+        grid=(batch,),
+        in_specs=[_whole(x.shape) for x in blocks_in],
+        out_specs=pl.BlockSpec((1, 1), lambda b: (b, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+        interpret=interpret,
+        name="dspark_race_pick",
+        **params,
+    )(*blocks_in)
+    return tokens[:, 0], out
 
 
 def step_key_words(keys: jax.Array, gamma: int) -> jax.Array:

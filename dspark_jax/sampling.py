@@ -7,38 +7,40 @@ from ``q = softmax(logits / T)`` (``T`` clamped below at :data:`MIN_TEMPERATURE`
 never applied to the draft, ``DSPARK_SPEC.md`` §3).
 
 Sampling is the exponential race: with ``E_v ~ Exp(1)`` i.i.d., the token
-``argmax_v q_v / E_v`` is distributed as ``q``. We compute it in log form,
-``argmax_v (logits_v / T - log E_v)``: for ``q_v > 0`` and ``E_v > 0``, ``log`` is strictly
-increasing and ``log q_v = logits_v / T - logsumexp(logits / T)`` differs from
-``logits_v / T`` by a per-row constant, so both forms pick the same token in exact
-arithmetic, and the log form needs no softmax pass over ``V`` and cannot overflow
-``exp``. ``-log E`` is a standard Gumbel variable, so this is also the Gumbel-max trick.
+``argmax_v q_v / E_v`` is distributed as ``q``. In log form, ``argmax_v (logits_v / T -
+log E_v)``: ``log q_v`` differs from ``logits_v / T`` by a per-row constant, and ``-log E``
+is a standard Gumbel variable (the Gumbel-max trick).
 
-Noise generator (:func:`log_exponential_noise`): a row's key is the two 32-bit words
-``(k0, k1) = key_data(key)`` of its (Threefry-2x32, JAX's default) step key, used as the key of
-Philox-4x32-10 (Salmon et al., SC 2011; :func:`philox4x32`). With ``Q = ⌈V / 4⌉``, the
-tokens ``i``, ``i + Q``, ``i + 2Q`` and ``i + 3Q`` (``i < Q``) share one Philox block:
-``(w0, w1, w2, w3) = philox4x32((k0, k1), (i, 0, 0, 0))`` gives token ``i + l·Q`` the word
-``w_l`` (words of tokens ``≥ V`` are dropped). One hash per four tokens, with less integer
-work per token than the 20-round Threefry-2x32 block per two tokens this module used before
-(on the H200 the fused race step of an all-sampling batch of 128 rows took 12–13 µs less,
-README note 46). Philox-4x32-10 is a counter-based generator that passes TestU01's BigCrush
-(Salmon et al.), the one cuRAND and PyTorch use on GPUs, and is meant to have every word of
-every block used, so the four words are as independent as words of different blocks. Its
-32 × 32 → 64-bit products are computed exactly in 32-bit arithmetic here (XLA has no such
-product without 64-bit types); the GPU kernel (:mod:`dspark_jax.race_kernel`) uses the
-hardware's ``mul.hi`` and computes the same words.
+The race is run in two levels, which draw the same law from far fewer exponentials. Cut the
+vocabulary into blocks ``S`` of :data:`RACE_BLOCK` tokens (the last one shorter; ``V ≤``
+:data:`RACE_BLOCK` is one block). Over a block, ``min_{v∈S} E_v / q_v`` is exponential with
+rate ``q_S = Σ_{v∈S} q_v``, and which token attains it is independent of its value and
+distributed as ``q_v / q_S``. So draw one ``E_S ~ Exp(1)`` per block and let the block
+``argmax_S (log q_S − log E_S)`` win (probability ``q_S``), then race the winning block's
+tokens alone, ``argmax_{v∈S} (logits_v / T − log E_v)`` (probability ``q_v / q_S``): the
+token has law ``q_v``, as in the flat race. Per row and step that is ``⌈V / W⌉ + W`` draws
+instead of ``V`` (448 instead of 151936 at the Qwen3 vocabulary), and the pass over ``V`` is
+one ``exp`` per token (:func:`block_mass`) instead of a hash and two ``log``s; on the H200
+the fused step of an all-sampling batch of 128 rows took 29 µs less (README note 47).
+
+``log q_S`` (up to the row's constant) is ``top + log(mass · 2⁻³⁰)`` with ``top`` the
+block's largest ``logits / T`` and ``mass`` the integer sum of ``round(exp(x − top) · 2³⁰)``
+(:func:`block_mass`): integer sums do not depend on the order of the additions, so the GPU
+kernel (:mod:`dspark_jax.race_kernel`) and XLA compute bitwise the same block scores.
+
+Noise generator: a row's key is the two 32-bit words ``(k0, k1) = key_data(key)`` of its
+(Threefry-2x32, JAX's default) step key, used as the key of Philox-4x32-10 (Salmon et al.,
+SC 2011; :func:`philox4x32`; cuRAND's and PyTorch's GPU generator, passes TestU01's
+BigCrush). Token ``v`` draws from word 0 of block ``(v, 0, 0, 0)`` and race block ``j`` from
+word 0 of block ``(j, 1, 0, 0)`` (:data:`TOKEN_NOISE`, :data:`BLOCK_NOISE`), so every draw
+has its own counter. The 32 × 32 → 64-bit products are computed exactly in 32-bit
+arithmetic (:func:`mul_hi_lo`; XLA has no such product without 64-bit types).
 
 A word ``w`` becomes ``U = (⌊w / 2⁹⌋ + ½) · 2⁻²³``: its top 23 bits pick one of ``2²³``
 equal cells of ``(0, 1)`` and ``U`` is the cell's midpoint, computed exactly in float32 as
 ``((w >> 8) | 1) · 2⁻²⁴``. So ``U ∈ [2⁻²⁴, 1 − 2⁻²⁴]``, ``E = −log U ∈ [6e-8, 16.7]`` is
 strictly positive and finite, and the noise is ``log E = log(−log U)``. No token wins by
-a zero draw (``jax.random.exponential`` can return exactly 0, which at ``V = 151936``
-happens in about 2 % of rows per step and would pick a uniformly random token).
-
-:func:`sample_step` races the four tokens of each block side by side (all four words are
-used at the same position, so a fused kernel hashes each block once) and reduces the block
-winners with an argmax that breaks ties by token id.
+a zero draw (``jax.random.exponential`` can return exactly 0).
 
 Determinism rules: ties go to the lowest token id; NaN logits count as ``-inf``; a row
 whose logits are all ``-inf`` yields token 0.
@@ -65,8 +67,12 @@ TOP_K_ALL = 1 << 30
 MIN_TEMPERATURE = 1e-5
 """Sampling temperatures are clamped below at this value."""
 
-LANES = 4
-"""Tokens per Philox-4x32 block: token ``i + l·Q`` takes word ``l`` of block ``i``."""
+RACE_BLOCK = 1024
+"""Tokens per block of the two-level race (the last block of a row may be shorter; a
+vocabulary of at most this many tokens is one block)."""
+
+MASS_SCALE = 2.0**30
+"""A race block's mass counts ``exp(x − top)`` in units of ``2⁻³⁰`` (:func:`block_mass`)."""
 
 _PHILOX_M = (np.uint32(0xD2511F53), np.uint32(0xCD9E8D57))  # round multipliers
 _PHILOX_W = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))  # key increments (Weyl sequence)
@@ -248,21 +254,6 @@ def philox4x32(
     return tuple(jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) for c in (c0, c1, c2, c3))))
 
 
-def _block_words(keys: jax.Array, quads: int) -> tuple[jax.Array, ...]:
-    """Words of the Philox blocks ``i < Q``: word ``l`` of block ``i`` is token ``i + l·Q``'s.
-
-    Args:
-      keys: typed keys ``[B]``.
-      quads: ``Q``.
-
-    Returns:
-      :data:`LANES` arrays ``uint32 [B, Q]``.
-    """
-    words = _key_words(keys)  # [B, 2]
-    counts = jnp.arange(quads, dtype=jnp.uint32)[None, :]  # [1, Q]
-    return philox4x32(words[:, :1], words[:, 1:], (counts, 0, 0, 0))  # broadcast to [B, Q]
-
-
 def _uniform(words: jax.Array) -> jax.Array:
     """``U = (⌊w / 2⁹⌋ + ½) · 2⁻²³`` in float32, exactly: ``[2⁻²⁴, 1 − 2⁻²⁴]``, same shape as ``words``."""
     return ((words >> 8) | 1).astype(jnp.float32) * 2.0**-24  # an odd integer below 2^24: exact
@@ -273,11 +264,31 @@ def _log_exponential(words: jax.Array) -> jax.Array:
     return jnp.log(-jnp.log(_uniform(words)))
 
 
-def log_exponential_noise(keys: jax.Array, vocab: int) -> jax.Array:
-    """``log E`` for ``E ~ Exp(1)`` i.i.d., one ``[V]`` row per key (generator: module docstring).
+TOKEN_NOISE = 0
+"""Second counter word of the Philox blocks that give tokens their noise (see the module docstring)."""
+BLOCK_NOISE = 1
+"""Second counter word of the Philox blocks that give race blocks their noise."""
 
-    This materialises the noise (references, tests); :func:`sample_step` computes the same
-    values inside its race, where each Philox block is hashed once.
+
+def _noise(words: jax.Array, counter: jax.Array, domain: int) -> jax.Array:
+    """``log E`` from word 0 of Philox block ``(counter, domain, 0, 0)`` under each row's key.
+
+    Args:
+      words: ``uint32 [B, 2]`` the rows' key words (:func:`_key_words`).
+      counter: uint32 ids broadcasting against ``[B, 1]`` (token or block ids).
+      domain: :data:`TOKEN_NOISE` or :data:`BLOCK_NOISE`.
+
+    Returns:
+      float32, the broadcast shape of ``counter`` and ``[B, 1]``.
+    """
+    return _log_exponential(philox4x32(words[:, :1], words[:, 1:], (counter, domain, 0, 0))[0])
+
+
+def log_exponential_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """Every token's ``log E`` (``E ~ Exp(1)`` i.i.d.), one ``[V]`` row per key.
+
+    This materialises the tokens' noise (references, tests); :func:`sample_step` draws it only
+    for the tokens of the block it races (module docstring).
 
     Args:
       keys: Threefry-2x32 keys ``[B]``, typed (or raw ``uint32 [B, 2]``).
@@ -289,9 +300,12 @@ def log_exponential_noise(keys: jax.Array, vocab: int) -> jax.Array:
     Raises:
       TypeError: the keys are not Threefry-2x32 keys.
     """
-    quads = -(-vocab // LANES)
-    words = _block_words(keys, quads)  # LANES × [B, Q]
-    return _log_exponential(jnp.concatenate(words, axis=1)[:, :vocab])  # [B, V]
+    return _noise(_key_words(keys), jnp.arange(vocab, dtype=jnp.uint32)[None], TOKEN_NOISE)
+
+
+def log_exponential_block_noise(keys: jax.Array, blocks: int) -> jax.Array:
+    """Every race block's ``log E``, ``[B, NB]`` float32 (as :func:`log_exponential_noise`, for blocks)."""
+    return _noise(_key_words(keys), jnp.arange(blocks, dtype=jnp.uint32)[None], BLOCK_NOISE)
 
 
 def _max_then_lowest_id(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]):
@@ -301,28 +315,104 @@ def _max_then_lowest_id(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.
     return jnp.where(take_a, a_score, b_score), jnp.where(take_a, a_id, b_id)
 
 
-def best_lane(lanes: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    """Each block's winner: ``(best score, its lane)`` over the lanes' scores (no NaN), ties
-    to the earlier lane (the lower token id); same shape as each lane, the lane int32."""
-    best, lane = lanes[0], jnp.zeros(lanes[0].shape, jnp.int32)
-    for index, scores in enumerate(lanes[1:], start=1):
-        take = scores > best
-        best, lane = jnp.where(take, scores, best), jnp.where(take, index, lane)
-    return best, lane
+_NO_ID = np.int32(np.iinfo(np.int32).max)
 
 
-def _argmax_of_lanes(lanes: tuple[jax.Array, ...]) -> jax.Array:
-    """``argmax`` of ``concatenate(lanes, 1)`` ``[B, LANES·Q]`` (no NaN), lowest id on ties → ``[B]`` int32.
+def argmax_lowest(scores: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(best score, its id)`` over the last axis of ``scores`` (no NaN), ties to the lowest id.
 
-    The tokens of one block (``i + l·Q``) are decided first, side by side, so every word of
-    a Philox block is read at the same position; then one pass reduces the block winners.
+    Args:
+      scores: float32 ``[..., N]``.
+      ids: int32 ``[..., N]``, the ids of the scores.
+
+    Returns:
+      float32 and int32 arrays ``[...]``.
     """
-    quads = lanes[0].shape[1]
-    best, lane = best_lane(lanes)  # [B, Q]
-    ids = jax.lax.broadcasted_iota(jnp.int32, best.shape, 1) + lane * quads  # [B, Q]
-    init = (np.float32(-np.inf), np.int32(np.iinfo(np.int32).max))
-    _, token = jax.lax.reduce((best, ids), init, _max_then_lowest_id, (1,))
-    return token
+    init = (np.float32(-np.inf), _NO_ID)
+    return jax.lax.reduce((scores, ids), init, _max_then_lowest_id, (scores.ndim - 1,))
+
+
+def race_width(vocab: int) -> int:
+    """``W``, the tokens per race block: :data:`RACE_BLOCK`, or ``V`` when smaller (one block)."""
+    return min(RACE_BLOCK, vocab)
+
+
+def block_mass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A race block's ``(top, mass)`` from its scores ``x = kept / T`` (NaN as ``-inf``).
+
+    ``top = max x`` and ``mass = Σ round(exp(x − top) · 2³⁰)``, summed as integers (the high
+    and low 15 bits of each term apart, so the sums stay exact in int32 for blocks of up to
+    2¹⁶ tokens) and returned as float32: exact, so whatever order a kernel or XLA adds the terms
+    in, the mass is the same number. ``exp(x − top) ≤ 1`` and the top term is ``2³⁰``, so
+    ``mass ≥ 2³⁰``; terms below ``2⁻³¹`` round to 0 (relative error of the mass ``< W · 2⁻³¹``).
+    A block with ``top = ±inf`` gets ``mass = 0`` (see :func:`block_scores`).
+
+    Args:
+      x: float32 ``[..., W]``, no NaN.
+
+    Returns:
+      ``(top, mass)``, float32 ``[...]``.
+    """
+    top = x.max(-1)
+    finite = jnp.isfinite(top)
+    shift = jnp.where(finite, top, 0.0)[..., None]
+    terms = jnp.where(finite[..., None], jnp.exp(x - shift), 0.0)  # [..., W] in [0, 1]
+    n = (terms * MASS_SCALE + 0.5).astype(jnp.int32)  # ≤ 2³⁰: round to nearest integer
+    high, low = (n >> 15).sum(-1), (n & 0x7FFF).sum(-1)
+    return top, high.astype(jnp.float32) * 2.0**15 + low.astype(jnp.float32)
+
+
+def block_scores(top: jax.Array, mass: jax.Array, words: jax.Array) -> jax.Array:
+    """The blocks' race: ``log p_S − log E_S`` with ``log p_S = top + log(mass · 2⁻³⁰)``.
+
+    Args:
+      top, mass: float32 ``[B, NB]`` from :func:`block_mass`.
+      words: ``uint32 [B, 2]`` the rows' key words.
+
+    Returns:
+      float32 ``[B, NB]``: ``+inf`` for a block holding a ``+inf`` score, ``-inf`` for an all
+      ``-inf`` block.
+    """
+    log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))  # -inf + log 0 = -inf
+    blocks = jnp.arange(top.shape[-1], dtype=jnp.uint32)[None]
+    return log_p - _noise(words, blocks, BLOCK_NOISE)
+
+
+def _slice_rows(rows: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """``rows[b, start[b] : start[b] + width]`` → ``[B, width]``."""
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (width,)))(rows, start)
+
+
+def race_blocks(
+    top: jax.Array,
+    mass: jax.Array,
+    words: jax.Array,
+    t: jax.Array,
+    vocab: int,
+    window: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """The two-level race's tokens from its blocks' ``(top, mass)``.
+
+    Args:
+      top, mass: float32 ``[B, NB]`` (:func:`block_mass` of each block's ``kept / T``).
+      words: ``uint32 [B, 2]`` the rows' key words.
+      t: ``[B, 1]`` clamped temperatures.
+      vocab: ``V``.
+      window: ``window(start [B]) -> [B, W]``, the kept logits (float32) of tokens
+        ``start … start + W − 1`` of each row.
+
+    Returns:
+      ``[B]`` int32 tokens.
+    """
+    width = race_width(vocab)
+    ids = jax.lax.broadcasted_iota(jnp.int32, top.shape, 1)
+    _, block = argmax_lowest(block_scores(top, mass, words), ids)  # [B]
+    first = block * width
+    start = jnp.minimum(first, vocab - width)  # the last block's window ends at V
+    tokens = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
+    raced = window(start) / t - _noise(words, tokens.astype(jnp.uint32), TOKEN_NOISE)
+    owned = tokens >= first[:, None]  # the last window's head belongs to the block before
+    return argmax_lowest(jnp.where(owned & ~jnp.isnan(raced), raced, -jnp.inf), tokens)[1]
 
 
 def round_to(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -353,7 +443,7 @@ def sample_step(
     *,
     race_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Picks one token per row: greedy argmax or the exponential race.
+    """Picks one token per row: greedy argmax or the exponential race (in two levels).
 
     Args:
       logits: ``[B, V]`` step logits (cast to float32).
@@ -372,20 +462,14 @@ def sample_step(
     """
     logits = logits.astype(jnp.float32)  # [B, V]
     batch, vocab = logits.shape
-    quads = -(-vocab // LANES)
+    width = race_width(vocab)
+    blocks = -(-vocab // width)
     t = clamp_temperatures(temperatures)[:, None]  # [B, 1]
-    keys = row_keys(noise_keys, batch)
-    # V not a multiple of 4: -inf columns complete the last block; they never beat a real token
-    # (ties go to lower ids).
-    logits = jnp.pad(logits, ((0, 0), (0, LANES * quads - vocab)), constant_values=-jnp.inf)  # [B, 4Q]
+    words = _key_words(row_keys(noise_keys, batch))  # [B, 2]
     kept = logits if race_dtype is None else round_to(logits, race_dtype)  # -inf stays -inf
-    words = _block_words(keys, quads)  # LANES × [B, Q]
-
-    def scores(lane: int) -> jax.Array:  # [B, Q]
-        part = slice(lane * quads, (lane + 1) * quads)
-        raced = kept[:, part] / t - _log_exponential(words[lane])
-        picked = jnp.where(greedy_mask[:, None], logits[:, part], raced)
-        # NaN (from NaN logits or inf / inf) counts as -inf, so an all -inf row picks token 0.
-        return jnp.where(jnp.isnan(picked), -jnp.inf, picked)
-
-    return _argmax_of_lanes(tuple(scores(lane) for lane in range(LANES)))
+    x = kept / t
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # NaN (NaN logits, inf / inf) counts as -inf
+    x = jnp.pad(x, ((0, 0), (0, blocks * width - vocab)), constant_values=-jnp.inf)  # the last block's tail
+    top, mass = block_mass(x.reshape(batch, blocks, width))  # [B, NB]
+    sampled = race_blocks(top, mass, words, t, vocab, lambda start: _slice_rows(kept, start, width))
+    return jnp.where(greedy_mask, greedy_step(logits), sampled)

@@ -67,8 +67,41 @@ def test_sampled_frequencies_match_softmax_over_temperature(temperature):
     assert tv(freq, expected) < bound
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_sampled_frequencies_match_softmax_across_race_blocks(temperature):
+    """V = 2500: three race blocks (the last one short). Cells: three strong tokens, one per
+    block, and the rest of each block; a block weighed by its token count, or by its best
+    token, instead of its mass would miss the bound by far (checked)."""
+    vocab = 2500
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal(vocab).astype(np.float32) + np.repeat([0.0, -1.0, 1.0], [1024, 1024, vocab - 2048])
+    logits[[5, 1030, 2400]] = [3.0, 3.5, 2.5]
+    tokens = np.asarray(
+        _sample(
+            np.broadcast_to(logits, (N_DRAWS, vocab)),
+            np.full(N_DRAWS, temperature, np.float32),
+            np.zeros(N_DRAWS, bool),
+            jax.random.key(12),
+        )
+    )
+    cell_of = np.repeat(np.arange(3), [1024, 1024, vocab - 2048]) + 3
+    cell_of[[5, 1030, 2400]] = [0, 1, 2]
+    p = softmax(logits.astype(np.float64) / temperature)
+    expected = np.bincount(cell_of, weights=p, minlength=6)
+    freq = np.bincount(cell_of[tokens], minlength=6) / N_DRAWS
+    bound = tv_bound(6, N_DRAWS)
+    blocks = np.repeat(np.arange(3), [1024, 1024, vocab - 2048])
+    by_count = np.bincount(blocks, minlength=3) / vocab
+    by_best = softmax(np.array([logits[b == blocks].max() for b in range(3)], np.float64) / temperature)
+    block = np.arange(6) % 3  # the block of each cell
+    within = expected / np.bincount(block, weights=expected, minlength=3)[block]
+    for wrong in (by_count, by_best):
+        assert tv(within * wrong[block], expected) > 3 * bound
+    assert tv(freq, expected) < bound
+
+
 def test_sampled_frequencies_match_softmax_for_odd_vocabulary():
-    # V = 7: a -inf column completes the last Philox block and must never be drawn.
+    # V = 7: one race block of 7 tokens.
     logits = LOGITS[:7]
     batch = np.broadcast_to(logits, (N_DRAWS, 7))
     tokens = np.asarray(_sample(batch, np.ones(N_DRAWS, np.float32), np.zeros(N_DRAWS, bool), jax.random.key(8)))
