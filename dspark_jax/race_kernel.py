@@ -11,14 +11,14 @@ and races the kept values (greedy rows take the plain argmax of the float32 sum)
 race block ``j`` of row ``b`` (tokens ``[j·W, (j + 1)·W)``; the last program reads the last
 ``W`` tokens and masks those of the block before), writes their corrected logits into slot
 ``k`` of the ``[B, γ, V]`` output in place (the buffer is aliased from step to step, so
-nothing is stacked), and writes the block's ``(top, mass)`` for a sampling row
-(:func:`dspark_jax.sampling.block_mass`) or its best score and token for a greedy row. A
-second kernel, one program per row, picks the token as
-:func:`dspark_jax.sampling.race_blocks` does (the blocks' race, then the ``W`` tokens of the
-winning block, read back from ``base`` and ``bias``), hashing its Philox blocks with the
-hardware's ``mul.hi``/``mul.lo``: in XLA the hash's 32-bit products are emulated in 16-bit
-halves, which made the sampling programs several times larger and their compilation slower
-(README note 47).
+nothing is stacked), and writes the block's score in the blocks' race for a sampling row
+(:func:`dspark_jax.sampling.block_scores` of :func:`dspark_jax.sampling.block_mass`: one
+Philox block per program) or its best logit and token for a greedy row. A second kernel, one
+program per row, picks the token as :func:`dspark_jax.sampling.race_blocks` does (the block
+with the best score, then the race of its ``W`` tokens, read back from ``base`` and
+``bias``), hashing their Philox blocks with the hardware's ``mul.hi``/``mul.lo``: in XLA the
+hash's 32-bit products are emulated in 16-bit halves, which made the sampling programs
+several times larger and their compilation slower (README note 47).
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
 ``exp`` through libdevice as XLA does, the division rounded to nearest as XLA's, the block
@@ -65,7 +65,8 @@ supported, the Pallas interpreter off GPUs)."""
 RACE_CHOICES = KERNEL_CHOICES
 
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
-_WARPS = 4  # per program
+_WARPS = 4  # per program of the block kernel
+_PICK_WARPS = 4  # per program of the pick kernel
 
 
 def race_choice() -> str:
@@ -132,20 +133,21 @@ def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     return out
 
 
-def _kernel(step_ref, t_ref, greedy_ref, base_ref, bias_ref, *refs, vocab, width, interpret):
+def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, vocab, width, interpret):
     """Program ``(b, j)``: race block ``j`` of row ``b``.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``t``, ``greedy`` ``[B]``, ``base`` ``[B, γ, V]``, ``bias`` ``[B, V]``, (the aliased
-    corrected logits ``[B, γ, V]`` after step 0), then the outputs: corrected logits
-    ``[B, γ, V]``, the block's top, mass and token ``[1, 1]`` each (a greedy row: its best
-    float32 logit, 0 and the lowest id holding it; a sampling row: ``block_mass`` of
-    ``kept / T`` and 0).
+    ``t``, ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base`` ``[B, γ, V]``, ``bias``
+    ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the outputs:
+    corrected logits ``[B, γ, V]``, the block's score and token ``[1, 1]`` each (a greedy row:
+    its best float32 logit and the lowest id holding it; a sampling row: its score in the
+    blocks' race, :func:`dspark_jax.sampling.block_scores` of ``block_mass(kept / T)``, and 0).
     """
-    corrected_ref, top_ref, mass_ref, token_ref = refs[-4:]
+    corrected_ref, score_ref, token_ref = refs[-3:]
     b = pl.program_id(0)
     step = step_ref[0]
-    first = pl.program_id(1) * width
+    block = pl.program_id(1)
+    first = block * width
     start = jnp.minimum(first, vocab - width)  # the last program reads the last W tokens
     at = pl.ds(start, width)
     summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
@@ -158,44 +160,41 @@ def _kernel(step_ref, t_ref, greedy_ref, base_ref, bias_ref, *refs, vocab, width
     def greedy():
         x = jnp.where(owned & ~jnp.isnan(summed), summed, -jnp.inf)
         top = x.max()
-        token = jnp.where(owned & (x == top), index, _NO_TOKEN).min()
-        return top, (token * 0).astype(jnp.float32), token
+        return top, jnp.where(owned & (x == top), index, _NO_TOKEN).min()
 
     def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
         x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
         top, mass = block_mass(jnp.where(owned & ~jnp.isnan(x), x, -jnp.inf))
-        return top, mass, (mass * 0).astype(jnp.int32)
+        log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))
+        noise = _noise(words_ref[b, step, 0], words_ref[b, step, 1], block.astype(jnp.uint32), BLOCK_NOISE, interpret)
+        score = log_p - noise
+        return score, (score * 0).astype(jnp.int32)
 
-    top, mass, token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
-    top_ref[...] = jnp.full((1, 1), top, jnp.float32)
-    mass_ref[...] = jnp.full((1, 1), mass, jnp.float32)
+    score, token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
+    score_ref[...] = jnp.full((1, 1), score, jnp.float32)
     token_ref[...] = jnp.full((1, 1), token, jnp.int32)
 
 
-def _pick_kernel(
-    step_ref, t_ref, greedy_ref, words_ref, top_ref, mass_ref, token_ref, base_ref, bias_ref, out_ref, **static
-):
-    """Program ``b``: row ``b``'s token from its blocks' ``(top, mass, token)`` ``[B, P]`` (columns
+def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, base_ref, bias_ref, out_ref, **static):
+    """Program ``b``: row ``b``'s token from its blocks' ``(score, token)`` ``[B, P]`` (columns
     from ``NB`` on unwritten, masked), as :func:`dspark_jax.sampling.race_blocks` picks it: the
-    blocks' race, then the winning block's tokens, read back from ``base`` and ``bias``."""
+    block with the best score, then the race of its tokens, read back from ``base`` and
+    ``bias``."""
     vocab, width, blocks, interpret = (static[name] for name in ("vocab", "width", "blocks", "interpret"))
     b = pl.program_id(0)
     step = step_ref[0]
-    span = top_ref.shape[1]
+    span = score_ref.shape[1]
     column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
     real = column < blocks
-    top = jnp.where(real, top_ref[b, :], -jnp.inf)
+    scores = jnp.where(real, score_ref[b, :], -jnp.inf)
+    best = scores.max()
 
     def greedy():  # each block's best float32 logit and lowest id holding it
-        best = top.max()
-        return jnp.where(real & (top == best), token_ref[b, :], _NO_TOKEN).min()
+        return jnp.where(real & (scores == best), token_ref[b, :], _NO_TOKEN).min()
 
     def sampled():
         k0, k1 = words_ref[b, step, 0], words_ref[b, step, 1]
-        log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass_ref[b, :] * (1 / MASS_SCALE)))
-        scores = log_p - _noise(k0, k1, column.astype(jnp.uint32), BLOCK_NOISE, interpret)
-        scores = jnp.where(real, scores, -jnp.inf)
-        block = jnp.where(scores == scores.max(), column, _NO_TOKEN).min()
+        block = jnp.where(scores == best, column, _NO_TOKEN).min()
         first = block * width
         start = jnp.minimum(first, vocab - width)
         at = pl.ds(start, width)
@@ -259,30 +258,30 @@ def race_step(
         )
     step = jnp.asarray(step, jnp.int32)
     t = temperatures.astype(jnp.float32)
-    in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), base.shape, bias.shape)]
-    args = [jnp.reshape(step, (1,)), t, greedy.astype(jnp.int32), base, bias]
+    words = key_words.astype(jnp.uint32)
+    in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), words.shape, base.shape, bias.shape)]
+    args = [jnp.reshape(step, (1,)), t, greedy.astype(jnp.int32), words, base, bias]
     aliases = {}
     if corrected is not None:
         in_specs.append(_whole(corrected.shape))
         args.append(corrected)
         aliases = {len(args) - 1: 0}
     one = pl.BlockSpec((1, 1), lambda b, j: (b, j))
-    params = {}
+    params, pick_params = {}, {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=_WARPS, num_stages=1)
+        pick_params["compiler_params"] = plgpu.CompilerParams(num_warps=_PICK_WARPS, num_stages=1)
     span = 1 << (blocks - 1).bit_length()  # the pick kernel loads a power of two of columns
-    per_block = jax.ShapeDtypeStruct((batch, span), jnp.float32)
-    out, top, mass, token = pl.pallas_call(
+    out, score, token = pl.pallas_call(
         kernel,
         grid=(batch, blocks),
         in_specs=in_specs,
-        out_specs=[_whole((batch, gamma, vocab)), one, one, one],
+        out_specs=[_whole((batch, gamma, vocab)), one, one],
         out_shape=[
             jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
-            per_block,
-            per_block,
+            jax.ShapeDtypeStruct((batch, span), jnp.float32),
             jax.ShapeDtypeStruct((batch, span), jnp.int32),
         ],
         input_output_aliases=aliases,
@@ -291,7 +290,7 @@ def race_step(
         **params,
     )(*args)
     pick = functools.partial(_pick_kernel, vocab=vocab, width=width, blocks=blocks, interpret=interpret)
-    blocks_in = [args[0], t, args[2], key_words.astype(jnp.uint32), top, mass, token, base, bias]
+    blocks_in = [args[0], t, args[2], words, score, token, base, bias]
     tokens = pl.pallas_call(
         pick,
         grid=(batch,),
@@ -300,7 +299,7 @@ def race_step(
         out_shape=jax.ShapeDtypeStruct((batch, 1), jnp.int32),
         interpret=interpret,
         name="dspark_race_pick",
-        **params,
+        **pick_params,
     )(*blocks_in)
     return tokens[:, 0], out
 
