@@ -65,7 +65,7 @@ supported, the Pallas interpreter off GPUs)."""
 RACE_CHOICES = KERNEL_CHOICES
 
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
-_WARPS = 4  # per program of the block kernel
+_WARPS = 2  # per program of the block kernel (faster than 4 at every batch on the H200, README note 47)
 _PICK_WARPS = 8  # per program of the pick kernel (faster than 4 at batches 1–32 on the H200, README note 47)
 
 
