@@ -13,7 +13,9 @@ per request and measures, per batch bucket and sampling mode:
 * peak device memory against the memory gate's prediction;
 * the same round in PyTorch, eager and as a CUDA graph (``--no-torch`` skips it);
 * with ``--e2e``, plain against speculative decoding of a Qwen3-8B-shaped target with
-  accepted lengths forced to a chosen mean.
+  accepted lengths forced to a chosen mean;
+* with ``--walk``, the Markov walk alone per batch, mode and sampler
+  (:mod:`dspark_jax.bench_walk`).
 
 Timing (:func:`time_call`): after a warm-up, each call is dispatched and waited for
 (``block_until_ready``) on its own; the tables give the median over ``--iters`` calls,
@@ -1063,6 +1065,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"memory batch {m['batch']}: in use before {_fmt(_gb(m.get('in_use_before_bytes')), '.2f')} GB, "
             f"device peak after it {_fmt(_gb(max(peaks)) if peaks else None, '.2f')} GB"
         )
+    if result.get("walk"):
+        from dspark_jax.bench_walk import format_walk  # it imports this module
+
+        lines.extend(format_walk(result["walk"]))
     e2e = result.get("e2e")
     if e2e and "error" in e2e:
         lines.append(f"e2e failed: {e2e['error']}")
@@ -1118,6 +1124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-workers", type=int, default=1, help="programs precompiled at once (default 1)")
     parser.add_argument("--profile", action="store_true", help="record device time per kernel (GPU)")
     parser.add_argument("--e2e", action="store_true", help="also run plain vs speculative decoding")
+    parser.add_argument(
+        "--walk", action="store_true", help="also time the Markov walk alone per batch, mode and sampler"
+    )
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
@@ -1237,6 +1246,11 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         paths=args.paths,
     )
     _save(args.out, result)
+    if args.walk:
+        from dspark_jax.bench_walk import bench_walk  # it imports this module
+
+        result["walk"] = bench_walk(nnx.merge(graphdef, state), batches=batches, modes=args.modes, iters=iters)
+        _save(args.out, result)
     del graphdef, state
     if args.e2e:
         try:

@@ -32,7 +32,7 @@ from flax import nnx, struct
 from dspark_jax.cache import ContextCache, context_mask
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.markov import markov_walk
+from dspark_jax.markov import MarkovHead, markov_walk
 from dspark_jax.race_kernel import raced_markov_walk, use_race_kernel
 from dspark_jax.sampling import (
     TOP_K_ALL,
@@ -354,24 +354,52 @@ def head_stage(
     Returns:
       The :class:`DraftBlock`.
     """
-    batch = x.shape[0]
     slot_hidden, base = _slot_logits(draft, x)  # [B, γ, H], [B, γ, V]
+    tokens, corrected, greedy, temps = walk_block(
+        draft.markov_head, base, slot_hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling
+    )
+    return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
+
+
+def walk_block(
+    head: MarkovHead | None,
+    base: jax.Array,
+    slot_hidden: jax.Array,
+    bonus: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    key: jax.Array,
+    *,
+    fold_sampling: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The round's Markov walk over its base logits (pure): the race kernel per step where
+    :func:`~dspark_jax.race_kernel.use_race_kernel` says so, else the XLA sampler.
+
+    Args:
+      head: the draft's Markov head, or ``None``.
+      base: ``[B, γ, V]`` base logits (model dtype).
+      slot_hidden: ``[B, γ, H]`` the slots' hidden states.
+      bonus, temperatures, top_k, key, fold_sampling: as in :func:`propose_with`.
+
+    Returns:
+      ``(tokens [B, γ] int32, corrected [B, γ, V] in base's dtype, greedy [B] bool,
+      temperatures [B] float32 clamped)``.
+    """
+    batch = base.shape[0]
     temps = clamp_temperatures(temperatures)
     greedy = _greedy_mask(temperatures, top_k, batch, fold_sampling)
     keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
     kernel, interpret = False, False
-    if fold_sampling and draft.markov_head is not None:
+    if fold_sampling and head is not None:
         kernel, interpret = use_race_kernel(base.shape[-1])
-    if kernel:  # one kernel per step: race, corrected logits written in place (race_kernel.py)
-        tokens, corrected = raced_markov_walk(
-            draft.markov_head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret
-        )
+    if kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
+        tokens, corrected = raced_markov_walk(head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret)
     else:  # the corrected logits are kept in the base logits' dtype (the model dtype)
         pick = functools.partial(
             _pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=base.dtype
         )
-        tokens, corrected = markov_walk(draft.markov_head, base, slot_hidden, bonus, pick, keep_dtype=base.dtype)
-    return _finish(draft, slot_hidden, bonus, tokens, corrected, greedy, temps, fold_sampling)
+        tokens, corrected = markov_walk(head, base, slot_hidden, bonus, pick, keep_dtype=base.dtype)
+    return tokens, corrected, greedy, temps
 
 
 def propose_with(

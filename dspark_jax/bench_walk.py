@@ -1,0 +1,169 @@
+"""``dspark-jax bench --walk``: the draft's Markov walk alone, per batch and sampling mode.
+
+The walk (:func:`dspark_jax.proposal.walk_block`) is the γ dependent steps after the
+lm_head: each step adds its Markov bias to the base logits, picks the step's tokens (greedy
+argmax or the exponential race) and keeps the corrected logits. It is where mixed and
+sampling rounds differ from greedy ones, so timing it alone separates the sampler's cost
+from the round's noise (README note 47 measured the race this way).
+
+Paths, each its own compiled program over the same inputs:
+
+* ``greedy_only``: ``fold_sampling=False`` (every row takes the argmax; the program a
+  greedy-only bucket runs);
+* ``folded``: the folded sampler as the round runs it here (the race kernel on GPUs);
+* ``folded_xla``: the folded sampler with :data:`~dspark_jax.race_kernel.RACE_ENV` set to
+  ``xla``, timed only where ``folded`` uses the kernel.
+
+Each row gives the median of calls waited for, the per-call time of calls dispatched back
+to back (``pipelined``) and that per step (``step_us``), and whether its tokens equal the
+reference path's for the same inputs and key (``greedy_only`` for greedy batches, else
+``folded``).
+
+Shape legend: B batch, γ draft slots, V vocabulary, H hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.bench import sampling_params, time_calls
+from dspark_jax.draft import DSparkDraft
+from dspark_jax.proposal import walk_block
+from dspark_jax.race_kernel import RACE_ENV, use_race_kernel
+
+WALK_PATHS = ("greedy_only", "folded", "folded_xla")
+
+
+@contextlib.contextmanager
+def _race_env(value: str | None) -> Iterator[None]:
+    """Sets :data:`RACE_ENV` to ``value`` (``None``: leaves it) for the ``with`` block."""
+    previous = os.environ.get(RACE_ENV)
+    if value is not None:
+        os.environ[RACE_ENV] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RACE_ENV, None)
+        else:
+            os.environ[RACE_ENV] = previous
+
+
+def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling):
+    """:func:`walk_block` over the split Markov head; returns ``(tokens [B, γ], corrected [B, γ, V])``."""
+    head = nnx.merge(graphdef, state)
+    tokens, corrected, _, _ = walk_block(
+        head, base, hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling
+    )
+    return tokens, corrected
+
+
+def walk_inputs(draft: DSparkDraft, batch: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Random walk inputs at the draft's shapes: base logits ``[B, γ, V]`` (normal, σ = 2) and
+    slot hidden states ``[B, γ, H]`` (normal) in the model dtype, anchors ``[B]``, a key."""
+    cfg = draft.cfg
+    gamma, dtype = cfg.block_size, cfg.jnp_dtype
+    k_base, k_hidden, k_bonus, key = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "base": (2.0 * jax.random.normal(k_base, (batch, gamma, cfg.vocab_size), jnp.float32)).astype(dtype),
+        "hidden": jax.random.normal(k_hidden, (batch, gamma, cfg.hidden_size), jnp.float32).astype(dtype),
+        "bonus": jax.random.randint(k_bonus, (batch,), 0, cfg.vocab_size, jnp.int32),
+        "key": key,
+    }
+
+
+def bench_walk(
+    draft: DSparkDraft,
+    *,
+    batches: tuple[int, ...],
+    modes: tuple[str, ...],
+    iters: int,
+) -> list[dict[str, Any]]:
+    """Times the walk's paths for every batch and mode (interleaved per batch, :func:`time_calls`).
+
+    Args:
+      draft: a draft with a Markov head.
+      batches: batch sizes.
+      modes: subset of :data:`dspark_jax.bench.MODES`.
+      iters: timed calls per loop of :func:`~dspark_jax.bench.time_call`.
+
+    Returns:
+      One dict per (batch, mode, path): ``batch``, ``mode``, ``path``, ``kernel`` (the race
+      kernel ran), :func:`~dspark_jax.bench.time_call`'s statistics, ``step_us``,
+      ``tokens_reference``, ``tokens_differ``, ``tokens_compared``.
+
+    Raises:
+      ValueError: the draft has no Markov head.
+    """
+    if draft.markov_head is None:
+        raise ValueError("bench_walk needs a draft with a Markov head: markov_head is None")
+    gamma = draft.cfg.block_size
+    kernel = use_race_kernel(draft.cfg.vocab_size)[0]
+    graphdef, state = nnx.split(draft.markov_head)
+    rows = []
+    for batch in batches:
+        inputs = walk_inputs(draft, batch)
+        calls, results, meta = {}, {}, {}
+        for mode in modes:
+            temperatures, top_k = sampling_params(batch, mode)
+            args = (state, inputs["base"], inputs["hidden"], inputs["bonus"], temperatures, top_k, inputs["key"])
+            paths = [("folded", True, None)]
+            if mode == "greedy":
+                paths.insert(0, ("greedy_only", False, None))
+            if kernel:
+                paths.append(("folded_xla", True, "xla"))
+            for path, fold_sampling, race in paths:
+                fn = jax.jit(functools.partial(_walk, graphdef, fold_sampling=fold_sampling))
+                with _race_env(race):  # read while tracing: compile now, inside the block
+                    compiled = fn.lower(*args).compile()
+                calls[(mode, path)] = functools.partial(compiled, *args)
+                results[(mode, path)] = np.asarray(calls[(mode, path)]()[0])
+                meta[(mode, path)] = kernel and race is None and fold_sampling
+        timed = time_calls(calls, iters=iters)
+        for (mode, path), stats in timed.items():
+            reference = "greedy_only" if mode == "greedy" else "folded"
+            tokens, ref_tokens = results[(mode, path)], results[(mode, reference)]
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "path": path,
+                    "kernel": bool(meta[(mode, path)]),
+                    **stats,
+                    "step_us": 1e3 * stats["pipelined_ms"] / gamma,
+                    "tokens_reference": reference,
+                    "tokens_differ": int((tokens != ref_tokens).sum()),
+                    "tokens_compared": int(tokens.size),
+                }
+            )
+    return rows
+
+
+def format_walk(rows: list[dict[str, Any]]) -> list[str]:
+    """Table lines for :func:`bench_walk`'s rows (empty when there are none)."""
+    if not rows:
+        return []
+    greedy_step = {r["batch"]: r["step_us"] for r in rows if r["path"] == "greedy_only"}
+    lines = [
+        "Markov walk alone (the γ steps after the lm_head), ms; step = pipelined per step, µs; "
+        "vs greedy = step time over the greedy-only program's at the same batch",
+        f"{'batch':>5} {'mode':<8} {'path':<12} {'median':>8} {'pipelined':>9} {'step':>7} {'vs greedy':>9}  tokens",
+    ]
+    for r in rows:
+        base = greedy_step.get(r["batch"])
+        ratio = f"{r['step_us'] / base:9.3f}" if base else f"{'-':>9}"
+        same = "same" if r["tokens_differ"] == 0 else f"{r['tokens_differ']}/{r['tokens_compared']} differ"
+        lines.append(
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<12} {r['median_ms']:8.3f} {r['pipelined_ms']:9.3f} "
+            f"{r['step_us']:7.1f} {ratio}  {same} (vs {r['tokens_reference']})"
+        )
+    return lines
