@@ -51,7 +51,7 @@ from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.presets import load_preset
-from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, race_choice, use_race_kernel
+from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
 from dspark_jax.target import KVCache, Qwen3Target
 
@@ -1099,6 +1099,14 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
+def _race_tunings(text: str) -> tuple[RaceTuning, ...]:
+    """``--race-tunings``: comma-separated ``P:W:K`` (:meth:`RaceTuning.parse`)."""
+    try:
+        return tuple(RaceTuning.parse(part) for part in text.split(",") if part.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         values = tuple(v for v in text.split(",") if v)
@@ -1126,6 +1134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e", action="store_true", help="also run plain vs speculative decoding")
     parser.add_argument(
         "--walk", action="store_true", help="also time the Markov walk alone per batch, mode and sampler"
+    )
+    parser.add_argument(
+        "--race-tunings",
+        type=_race_tunings,
+        default=(),
+        help="with --walk: race-kernel layouts P:W:K (blocks per program, warps, pick warps) timed besides the default",
     )
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
@@ -1166,6 +1180,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
+    if args.race_tunings and not args.walk:
+        raise ValueError("--race-tunings is only used with --walk: add --walk, or drop --race-tunings")
     if args.compile_worker:
         worker = _compile_worker(
             shapes, args.max_batch or max(batches), workers=args.compile_workers, measure_memory=args.measure_memory
@@ -1249,7 +1265,9 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
     if args.walk:
         from dspark_jax.bench_walk import bench_walk  # it imports this module
 
-        result["walk"] = bench_walk(nnx.merge(graphdef, state), batches=batches, modes=args.modes, iters=iters)
+        result["walk"] = bench_walk(
+            nnx.merge(graphdef, state), batches=batches, modes=args.modes, iters=iters, tunings=args.race_tunings
+        )
         _save(args.out, result)
     del graphdef, state
     if args.e2e:

@@ -12,7 +12,10 @@ Paths, each its own compiled program over the same inputs:
   greedy-only bucket runs);
 * ``folded``: the folded sampler as the round runs it here (the race kernel on GPUs);
 * ``folded_xla``: the folded sampler with :data:`~dspark_jax.race_kernel.RACE_ENV` set to
-  ``xla``, timed only where ``folded`` uses the kernel.
+  ``xla``, timed only where ``folded`` uses the kernel;
+* ``folded_p{P}w{W}k{K}``: the race kernel with another
+  :class:`~dspark_jax.race_kernel.RaceTuning` (``--race-tunings P:W:K,…``), where ``folded``
+  uses the kernel: the layouts to try, side by side in one process.
 
 Each row gives the median of calls waited for, the per-call time of calls dispatched back
 to back (``pipelined``) and that per step (``step_us``), and whether its tokens equal the
@@ -38,7 +41,7 @@ from flax import nnx
 from dspark_jax.bench import sampling_params, time_calls
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import walk_block
-from dspark_jax.race_kernel import RACE_ENV, use_race_kernel
+from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel
 
 WALK_PATHS = ("greedy_only", "folded", "folded_xla")
 
@@ -58,11 +61,11 @@ def _race_env(value: str | None) -> Iterator[None]:
             os.environ[RACE_ENV] = previous
 
 
-def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling):
+def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling, tuning):
     """:func:`walk_block` over the split Markov head; returns ``(tokens [B, γ], corrected [B, γ, V])``."""
     head = nnx.merge(graphdef, state)
     tokens, corrected, _, _ = walk_block(
-        head, base, hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling
+        head, base, hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling, race_tuning=tuning
     )
     return tokens, corrected
 
@@ -87,6 +90,7 @@ def bench_walk(
     batches: tuple[int, ...],
     modes: tuple[str, ...],
     iters: int,
+    tunings: tuple[RaceTuning, ...] = (),
 ) -> list[dict[str, Any]]:
     """Times the walk's paths for every batch and mode (interleaved per batch, :func:`time_calls`).
 
@@ -95,10 +99,12 @@ def bench_walk(
       batches: batch sizes.
       modes: subset of :data:`dspark_jax.bench.MODES`.
       iters: timed calls per loop of :func:`~dspark_jax.bench.time_call`.
+      tunings: race-kernel layouts timed besides the default, where the kernel runs.
 
     Returns:
       One dict per (batch, mode, path): ``batch``, ``mode``, ``path``, ``kernel`` (the race
-      kernel ran), :func:`~dspark_jax.bench.time_call`'s statistics, ``step_us``,
+      kernel ran), ``tuning`` (its layout's label, None for the default or XLA),
+      :func:`~dspark_jax.bench.time_call`'s statistics, ``step_us``,
       ``tokens_reference``, ``tokens_differ``, ``tokens_compared``.
 
     Raises:
@@ -116,18 +122,19 @@ def bench_walk(
         for mode in modes:
             temperatures, top_k = sampling_params(batch, mode)
             args = (state, inputs["base"], inputs["hidden"], inputs["bonus"], temperatures, top_k, inputs["key"])
-            paths = [("folded", True, None)]
+            paths = [("folded", True, None, None)]
             if mode == "greedy":
-                paths.insert(0, ("greedy_only", False, None))
+                paths.insert(0, ("greedy_only", False, None, None))
             if kernel:
-                paths.append(("folded_xla", True, "xla"))
-            for path, fold_sampling, race in paths:
-                fn = jax.jit(functools.partial(_walk, graphdef, fold_sampling=fold_sampling))
+                paths.append(("folded_xla", True, "xla", None))
+                paths += [(f"folded_{t.label}", True, None, t) for t in tunings]
+            for path, fold_sampling, race, tuning in paths:
+                fn = jax.jit(functools.partial(_walk, graphdef, fold_sampling=fold_sampling, tuning=tuning))
                 with _race_env(race):  # read while tracing: compile now, inside the block
                     compiled = fn.lower(*args).compile()
                 calls[(mode, path)] = functools.partial(compiled, *args)
                 results[(mode, path)] = np.asarray(calls[(mode, path)]()[0])
-                meta[(mode, path)] = kernel and race is None and fold_sampling
+                meta[(mode, path)] = (kernel and race is None and fold_sampling, tuning and tuning.label)
         timed = time_calls(calls, iters=iters)
         for (mode, path), stats in timed.items():
             reference = "greedy_only" if mode == "greedy" else "folded"
@@ -137,7 +144,8 @@ def bench_walk(
                     "batch": batch,
                     "mode": mode,
                     "path": path,
-                    "kernel": bool(meta[(mode, path)]),
+                    "kernel": bool(meta[(mode, path)][0]),
+                    "tuning": meta[(mode, path)][1],
                     **stats,
                     "step_us": 1e3 * stats["pipelined_ms"] / gamma,
                     "tokens_reference": reference,
@@ -156,14 +164,14 @@ def format_walk(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "Markov walk alone (the γ steps after the lm_head), ms; step = pipelined per step, µs; "
         "vs greedy = step time over the greedy-only program's at the same batch",
-        f"{'batch':>5} {'mode':<8} {'path':<12} {'median':>8} {'pipelined':>9} {'step':>7} {'vs greedy':>9}  tokens",
+        f"{'batch':>5} {'mode':<8} {'path':<16} {'median':>8} {'pipelined':>9} {'step':>7} {'vs greedy':>9}  tokens",
     ]
     for r in rows:
         base = greedy_step.get(r["batch"])
         ratio = f"{r['step_us'] / base:9.3f}" if base else f"{'-':>9}"
         same = "same" if r["tokens_differ"] == 0 else f"{r['tokens_differ']}/{r['tokens_compared']} differ"
         lines.append(
-            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<12} {r['median_ms']:8.3f} {r['pipelined_ms']:9.3f} "
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<16} {r['median_ms']:8.3f} {r['pipelined_ms']:9.3f} "
             f"{r['step_us']:7.1f} {ratio}  {same} (vs {r['tokens_reference']})"
         )
     return lines

@@ -33,7 +33,7 @@ from dspark_jax.cache import ContextCache, context_mask
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.markov import MarkovHead, markov_walk
-from dspark_jax.race_kernel import raced_markov_walk, use_race_kernel
+from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kernel
 from dspark_jax.sampling import (
     TOP_K_ALL,
     clamp_temperatures,
@@ -371,6 +371,7 @@ def walk_block(
     key: jax.Array,
     *,
     fold_sampling: bool = True,
+    race_tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The round's Markov walk over its base logits (pure): the race kernel per step where
     :func:`~dspark_jax.race_kernel.use_race_kernel` says so, else the XLA sampler.
@@ -380,6 +381,8 @@ def walk_block(
       base: ``[B, γ, V]`` base logits (model dtype).
       slot_hidden: ``[B, γ, H]`` the slots' hidden states.
       bonus, temperatures, top_k, key, fold_sampling: as in :func:`propose_with`.
+      race_tuning: the race kernel's layout (:class:`~dspark_jax.race_kernel.RaceTuning`;
+        None: its default); the tokens do not depend on it.
 
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] in base's dtype, greedy [B] bool,
@@ -393,7 +396,9 @@ def walk_block(
     if fold_sampling and head is not None:
         kernel, interpret = use_race_kernel(base.shape[-1])
     if kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
-        tokens, corrected = raced_markov_walk(head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret)
+        tokens, corrected = raced_markov_walk(
+            head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret, tuning=race_tuning
+        )
     else:  # the corrected logits are kept in the base logits' dtype (the model dtype)
         pick = functools.partial(
             _pick, temps=temps, greedy=greedy, keys=keys, fold_sampling=fold_sampling, keep_dtype=base.dtype

@@ -34,6 +34,7 @@ the Pallas interpreter on any backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,8 +66,62 @@ supported, the Pallas interpreter off GPUs)."""
 RACE_CHOICES = KERNEL_CHOICES
 
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
-_WARPS = 2  # per program of the block kernel (faster than 4 at every batch on the H200, README note 47)
-_PICK_WARPS = 8  # per program of the pick kernel (faster than 4 at batches 1–32 on the H200, README note 47)
+_WARP_COUNTS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaceTuning:
+    """How :func:`race_step` lays its work out on the GPU; the tokens do not depend on it.
+
+    Attributes:
+      blocks_per_program: race blocks per program of the block kernel, a power of two (the
+        last program's loads and stores are masked past ``V`` when it is above 1).
+      warps: warps per program of the block kernel.
+      pick_warps: warps per program of the pick kernel.
+
+    The defaults are the setting measured on the H200 (README note 47): 2 warps per block
+    program were faster than 4 at every batch, 8 per pick program faster than 4 at batches
+    1–32; more blocks per program are not measured yet.
+    """
+
+    blocks_per_program: int = 1
+    warps: int = 2
+    pick_warps: int = 8
+
+    def __post_init__(self):
+        p = self.blocks_per_program
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1 or p & (p - 1):
+            raise ValueError(f"blocks_per_program={p!r} is invalid: must be a power of two >= 1")
+        for name in ("warps", "pick_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value not in _WARP_COUNTS:
+                raise ValueError(f"{name}={value!r} is invalid: must be one of {_WARP_COUNTS}")
+
+    @property
+    def label(self) -> str:
+        """``p{blocks_per_program}w{warps}k{pick_warps}``, e.g. ``p1w2k8``."""
+        return f"p{self.blocks_per_program}w{self.warps}k{self.pick_warps}"
+
+    @classmethod
+    def parse(cls, text: str) -> RaceTuning:
+        """From ``"P:W:K"`` (blocks per program, block-kernel warps, pick-kernel warps).
+
+        Raises:
+          ValueError: not three integers, or a value :class:`RaceTuning` refuses.
+        """
+        parts = text.strip().split(":")
+        try:
+            p, w, k = (int(x) for x in parts)
+        except ValueError:
+            raise ValueError(
+                f"race tuning {text!r} is invalid: must be P:W:K, three integers "
+                "(blocks per program, block-kernel warps, pick-kernel warps), e.g. 1:2:8"
+            ) from None
+        return cls(blocks_per_program=p, warps=w, pick_warps=k)
+
+
+RACE_TUNING = RaceTuning()
+"""The :class:`RaceTuning` :func:`race_step` uses unless given one."""
 
 
 def race_choice() -> str:
@@ -133,34 +188,65 @@ def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     return out
 
 
-def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, vocab, width, interpret):
-    """Program ``(b, j)``: race block ``j`` of row ``b``.
+def _tile(base_ref, bias_ref, corrected_ref, b, step, *, vocab, width, per_program):
+    """Program ``(b, p)``'s tokens: ``(summed, kept, index, owned)``, each ``[W]`` for one block
+    per program or ``[P, W]`` for ``P`` (blocks ``p·P … p·P + P − 1``); the corrected logits
+    ``kept`` are written to slot ``step``.
+
+    One block: the last program reads the last ``W`` tokens and does not own those of the block
+    before (no masked memory access). ``P`` blocks: loads and stores are masked past ``V``.
+    """
+    if per_program == 1:
+        first = pl.program_id(1) * width
+        start = jnp.minimum(first, vocab - width)  # the last program reads the last W tokens
+        at = pl.ds(start, width)
+        summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
+        kept = summed.astype(corrected_ref.dtype)  # the base logits' dtype
+        corrected_ref[b, step, at] = kept
+        index = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        return summed, kept, index, index >= first  # the rest belongs to the block before
+    from jax.experimental.pallas import triton as plgpu
+
+    span = per_program * width
+    first = pl.program_id(1) * span
+    at = pl.ds(first, span)
+    index = first + jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+    owned = index < vocab
+    base = plgpu.load(base_ref.at[b, step, at], mask=owned, other=0)
+    bias = plgpu.load(bias_ref.at[b, at], mask=owned, other=0)
+    summed = base.astype(jnp.float32) + bias.astype(jnp.float32)  # [P·W]
+    kept = summed.astype(corrected_ref.dtype)
+    plgpu.store(corrected_ref.at[b, step, at], kept, mask=owned)
+    shape = (per_program, width)
+    return summed.reshape(shape), kept.reshape(shape), index.reshape(shape), owned.reshape(shape)
+
+
+def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, vocab, width, per_program, interpret):
+    """Program ``(b, p)``: race blocks ``p·P … p·P + P − 1`` of row ``b`` (``P = per_program``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``t``, ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base`` ``[B, γ, V]``, ``bias``
     ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the outputs:
-    corrected logits ``[B, γ, V]``, the block's score and token ``[1, 1]`` each (a greedy row:
-    its best float32 logit and the lowest id holding it; a sampling row: its score in the
+    corrected logits ``[B, γ, V]``, each block's score and token ``[1, P]`` each (a greedy
+    row: its best float32 logit and the lowest id holding it; a sampling row: its score in the
     blocks' race, :func:`dspark_jax.sampling.block_scores` of ``block_mass(kept / T)``, and 0).
     """
     corrected_ref, score_ref, token_ref = refs[-3:]
     b = pl.program_id(0)
     step = step_ref[0]
-    block = pl.program_id(1)
-    first = block * width
-    start = jnp.minimum(first, vocab - width)  # the last program reads the last W tokens
-    at = pl.ds(start, width)
-    summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
-    kept = summed.astype(corrected_ref.dtype)  # the base logits' dtype
-    corrected_ref[b, step, at] = kept
-    index = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-    owned = index >= first  # the rest belongs to the block before
+    summed, kept, index, owned = _tile(
+        base_ref, bias_ref, corrected_ref, b, step, vocab=vocab, width=width, per_program=per_program
+    )
+    block = pl.program_id(1) * per_program
+    if per_program > 1:
+        block = block + jax.lax.broadcasted_iota(jnp.int32, (per_program,), 0)
 
     # Each branch returns traced values, not literals (Triton's scf.yield takes values only).
     def greedy():
         x = jnp.where(owned & ~jnp.isnan(summed), summed, -jnp.inf)
-        top = x.max()
-        return top, jnp.where(owned & (x == top), index, _NO_TOKEN).min()
+        top = x.max(-1)
+        best = top if per_program == 1 else top[:, None]
+        return top, jnp.where(owned & (x == best), index, _NO_TOKEN).min(-1)
 
     def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
         x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
@@ -171,8 +257,12 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
         return score, (score * 0).astype(jnp.int32)
 
     score, token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
-    score_ref[...] = jnp.full((1, 1), score, jnp.float32)
-    token_ref[...] = jnp.full((1, 1), token, jnp.int32)
+    if per_program == 1:
+        score_ref[...] = jnp.full((1, 1), score, jnp.float32)
+        token_ref[...] = jnp.full((1, 1), token, jnp.int32)
+    else:
+        score_ref[...] = score.reshape(1, per_program)
+        token_ref[...] = token.reshape(1, per_program)
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, base_ref, bias_ref, out_ref, **static):
@@ -208,7 +298,7 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, b
     out_ref[...] = jnp.full((1, 1), jax.lax.cond(greedy_ref[b] != 0, greedy, sampled), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="interpret")
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def race_step(
     base: jax.Array,
     bias: jax.Array,
@@ -219,6 +309,7 @@ def race_step(
     step: jax.Array | int,
     *,
     interpret: bool = False,
+    tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Walk step ``step``: corrected logits, their race (or argmax), the tokens.
 
@@ -235,6 +326,8 @@ def race_step(
         one kernel rather than one per step); this step reads slot ``step``.
       step: ``k`` (int32 scalar, may be traced).
       interpret: run through the Pallas interpreter (any backend).
+      tuning: the kernels' layout (None: :data:`RACE_TUNING`; one block per program where the
+        vocabulary is one block). The tokens do not depend on it.
 
     Returns:
       ``(tokens [B] int32, corrected [B, γ, V] in base's dtype)`` with slot ``k`` filled;
@@ -248,7 +341,11 @@ def race_step(
         )
     width = race_width(vocab)
     blocks = -(-vocab // width)
-    kernel = functools.partial(_kernel, vocab=vocab, width=width, interpret=interpret)
+    tuning = RACE_TUNING if tuning is None else tuning
+    if not isinstance(tuning, RaceTuning):
+        raise TypeError(f"tuning={tuning!r} is invalid: must be a RaceTuning or None")
+    per_program = 1 if blocks == 1 else tuning.blocks_per_program
+    kernel = functools.partial(_kernel, vocab=vocab, width=width, per_program=per_program, interpret=interpret)
     if key_words.shape != (batch, gamma, 2):
         raise ValueError(f"key_words has shape {key_words.shape}: must be (B, γ, 2) = {(batch, gamma, 2)}")
     if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
@@ -266,19 +363,20 @@ def race_step(
         in_specs.append(_whole(corrected.shape))
         args.append(corrected)
         aliases = {len(args) - 1: 0}
-    one = pl.BlockSpec((1, 1), lambda b, j: (b, j))
+    tile = pl.BlockSpec((1, per_program), lambda b, j: (b, j))
     params, pick_params = {}, {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=_WARPS, num_stages=1)
-        pick_params["compiler_params"] = plgpu.CompilerParams(num_warps=_PICK_WARPS, num_stages=1)
-    span = 1 << (blocks - 1).bit_length()  # the pick kernel loads a power of two of columns
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=tuning.warps, num_stages=1)
+        pick_params["compiler_params"] = plgpu.CompilerParams(num_warps=tuning.pick_warps, num_stages=1)
+    # The pick kernel loads a power of two of columns, at least the programs' P each.
+    span = max(1 << (blocks - 1).bit_length(), per_program)
     out, score, token = pl.pallas_call(
         kernel,
-        grid=(batch, blocks),
+        grid=(batch, -(-blocks // per_program)),
         in_specs=in_specs,
-        out_specs=[_whole((batch, gamma, vocab)), one, one],
+        out_specs=[_whole((batch, gamma, vocab)), tile, tile],
         out_shape=[
             jax.ShapeDtypeStruct((batch, gamma, vocab), base.dtype),
             jax.ShapeDtypeStruct((batch, span), jnp.float32),
@@ -324,6 +422,7 @@ def raced_markov_walk(
     keys: jax.Array,
     *,
     interpret: bool = False,
+    tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`dspark_jax.markov.markov_walk` with the folded sampler, one :func:`race_step` per step.
 
@@ -337,6 +436,7 @@ def raced_markov_walk(
       keys: typed per-row keys ``[B]`` (:func:`dspark_jax.sampling.row_keys`); step ``k``
         uses ``step_keys(keys, k)``, as :func:`dspark_jax.sampling.sample_step` does.
       interpret: run the kernel through the Pallas interpreter.
+      tuning: the kernels' layout (:func:`race_step`; None: :data:`RACE_TUNING`).
 
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] in base_logits' dtype)``, equal to the XLA
@@ -348,6 +448,8 @@ def raced_markov_walk(
     words = step_key_words(keys, gamma)  # [B, γ, 2]
     for k in range(gamma):
         state, bias = head.step(state, prev, hidden[:, k])
-        prev, corrected = race_step(base_logits, bias, corrected, temperatures, greedy, words, k, interpret=interpret)
+        prev, corrected = race_step(
+            base_logits, bias, corrected, temperatures, greedy, words, k, interpret=interpret, tuning=tuning
+        )
         tokens.append(prev)
     return jnp.stack(tokens, axis=1), corrected

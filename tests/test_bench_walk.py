@@ -1,5 +1,6 @@
 """``dspark-jax bench --walk`` at tiny shapes on a CPU: rows, token checks, table (no timing assertions)."""
 
+import argparse
 import dataclasses
 import os
 
@@ -8,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax import bench, bench_walk
-from dspark_jax.race_kernel import RACE_ENV
+from dspark_jax.race_kernel import RACE_ENV, RaceTuning
 
 
 def _draft(**changes):
@@ -38,16 +39,22 @@ def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft,
 
 def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(tiny_draft, monkeypatch):
     monkeypatch.setenv(RACE_ENV, "pallas")  # the Pallas interpreter on a CPU
-    rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("greedy", "sampling"), iters=1)
+    tuning = RaceTuning(blocks_per_program=2, warps=1, pick_warps=4)
+    rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("greedy", "sampling"), iters=1, tunings=(tuning,))
     by_path = {(r["mode"], r["path"]): r for r in rows}
     assert set(by_path) == {
         ("greedy", "greedy_only"),
         ("greedy", "folded"),
         ("greedy", "folded_xla"),
+        ("greedy", "folded_p2w1k4"),
         ("sampling", "folded"),
         ("sampling", "folded_xla"),
+        ("sampling", "folded_p2w1k4"),
     }
     assert by_path[("sampling", "folded")]["kernel"] and not by_path[("sampling", "folded_xla")]["kernel"]
+    tuned = by_path[("sampling", "folded_p2w1k4")]
+    assert tuned["kernel"] and tuned["tuning"] == "p2w1k4"
+    assert by_path[("sampling", "folded")]["tuning"] is None
     assert all(r["tokens_differ"] == 0 for r in rows)
     assert os.environ[RACE_ENV] == "pallas"  # the xla path's setting was undone
 
@@ -81,3 +88,15 @@ def test_walk_table_gives_step_ratios_and_names_differing_tokens():
     assert "1.200" in lines[3] and "3/14 differ (vs folded)" in lines[3]
     assert bench_walk.format_walk([]) == []
     assert "Markov walk alone" in bench.format_table({"walk": rows})
+
+
+def test_race_tunings_flag_parses_and_needs_walk(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--walk", "--race-tunings", "1:2:8,4:1:16"])
+    assert [t.label for t in args.race_tunings] == ["p1w2k8", "p4w1k16"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--race-tunings", "3:2:8"])
+    assert "blocks_per_program=3 is invalid" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--race-tunings is only used with --walk"):
+        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--race-tunings", "2:2:8"])

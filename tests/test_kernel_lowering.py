@@ -13,7 +13,7 @@ from jax import export
 
 from dspark_jax.attention_kernel import attend_block
 from dspark_jax.qk_norm_kernel import qk_norm_rope
-from dspark_jax.race_kernel import race_step
+from dspark_jax.race_kernel import RaceTuning, race_step
 
 TRITON = "__gpu$xla.gpu.triton"
 S = jax.ShapeDtypeStruct
@@ -30,8 +30,8 @@ def triton_calls_for_cuda(fn, *args) -> int:
     return cuda_module(fn, *args).count(f"@{TRITON}(")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_race_step_lowers_for_cuda(dtype):
+@pytest.mark.parametrize("dtype, per_program", [(jnp.bfloat16, 1), (jnp.float32, 1), (jnp.bfloat16, 4)])
+def test_race_step_lowers_for_cuda(dtype, per_program):
     """Two kernels per step (the pass over the blocks, then the pick), and no Philox hash left
     to XLA: emulated in XLA (shifts of 16-bit halves), it made the sampling heads' programs
     several times larger and their compilation slower on the H200 (README note 47)."""
@@ -39,10 +39,10 @@ def test_race_step_lowers_for_cuda(dtype):
     rows = [S((b,), jnp.float32), S((b,), jnp.bool_), S((b, g, 2), jnp.uint32)]
 
     def first(base, bias, t, greedy, words):  # a new corrected buffer
-        return race_step(base, bias, None, t, greedy, words, 0)
+        return race_step(base, bias, None, t, greedy, words, 0, tuning=RaceTuning(blocks_per_program=per_program))
 
     def later(base, bias, corrected, t, greedy, words):  # the buffer aliased in place
-        return race_step(base, bias, corrected, t, greedy, words, 3)
+        return race_step(base, bias, corrected, t, greedy, words, 3, tuning=RaceTuning(blocks_per_program=per_program))
 
     base, bias = S((b, g, v), dtype), S((b, v), dtype)
     for fn, args in ((first, (base, bias, *rows)), (later, (base, bias, base, *rows))):

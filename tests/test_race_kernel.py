@@ -9,6 +9,8 @@ from draft_testing import TINY_ROUND_SEED, tiny_rounds_per_choice
 from dspark_jax import sampling as S
 from dspark_jax.race_kernel import (
     RACE_ENV,
+    RACE_TUNING,
+    RaceTuning,
     race_choice,
     race_step,
     race_supported,
@@ -44,6 +46,45 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
         assert corrected.dtype == base.dtype  # kept in the base logits' dtype, rounded from float32
         np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
+
+
+# P blocks per program: the last program's loads and stores masked past V (3 blocks with P = 2;
+# V a multiple of P·W; fewer blocks than P), tokens and corrected logits as with one block each
+@pytest.mark.parametrize("per_program, vocab", [(2, 2500), (2, 4096), (4, 4100), (8, 3073)])
+def test_blocks_per_program_changes_no_token(per_program, vocab):
+    batch, gamma = 4, 2
+    base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)
+    tuning = RaceTuning(blocks_per_program=per_program, warps=1, pick_warps=4)
+    words = step_key_words(keys, gamma)
+    got = want = None
+    for step in range(gamma):
+        tokens, got = race_step(base, bias[step], got, temps, greedy, words, step, interpret=INTERPRET, tuning=tuning)
+        ref, want = race_step(base, bias[step], want, temps, greedy, words, step, interpret=INTERPRET)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # every slot, the masked tail untouched
+
+
+def test_race_tuning_parses_and_refuses_bad_values():
+    assert RaceTuning.parse(" 4:2:8 ") == RaceTuning(blocks_per_program=4, warps=2, pick_warps=8)
+    assert RaceTuning.parse("4:2:8").label == "p4w2k8"
+    assert (RACE_TUNING.blocks_per_program, RACE_TUNING.warps, RACE_TUNING.pick_warps) == (1, 2, 8)  # measured, note 47
+    for field, bad, allowed in [
+        ("blocks_per_program", 3, "a power of two"),
+        ("blocks_per_program", 0, "a power of two"),
+        ("blocks_per_program", 2.0, "a power of two"),
+        ("warps", 3, "one of"),
+        ("pick_warps", 64, "one of"),
+        ("warps", 2.0, "one of"),
+        ("warps", True, "one of"),
+    ]:
+        with pytest.raises(ValueError, match=f"{field}={bad!r} is invalid: must be {allowed}"):
+            RaceTuning(**{field: bad})
+    for text in ("4:2", "a:2:8", "1:2:8:1"):
+        with pytest.raises(ValueError, match="must be P:W:K"):
+            RaceTuning.parse(text)
+    base = jnp.zeros((1, 1, 2048), jnp.float32)
+    with pytest.raises(TypeError, match="tuning=4 is invalid: must be a RaceTuning or None"):
+        race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0, tuning=4)
 
 
 def test_ties_nan_and_all_minus_inf_rows():
