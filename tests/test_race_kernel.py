@@ -87,7 +87,8 @@ def test_race_tuning_parses_and_refuses_bad_values():
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0, tuning=4)
 
 
-def test_ties_nan_and_all_minus_inf_rows():
+@pytest.mark.parametrize("per_program", [1, 4])  # 4: the three blocks in one program
+def test_ties_nan_and_all_minus_inf_rows(per_program):
     """Greedy ties go to the lowest id (across blocks too), NaN counts as -inf, an all -inf row
     yields token 0, +inf sampled tokens tie and the lowest wins."""
     vocab, batch = 2500, 6
@@ -102,7 +103,8 @@ def test_ties_nan_and_all_minus_inf_rows():
     greedy = jnp.array([True, True, True, False, False, False])
     temps = jnp.ones((batch,), jnp.float32)
     words = S._key_words(S.row_keys(jax.random.key(0), batch))[:, None]  # [B, 1, 2]
-    tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET)
+    tuning = RaceTuning(blocks_per_program=per_program)
+    tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET, tuning=tuning)
     np.testing.assert_array_equal(np.asarray(tokens), [1030, 0, 1800, 0, 1500, 2047])
 
 
