@@ -18,7 +18,10 @@ program per row, picks the token as :func:`dspark_jax.sampling.race_blocks` does
 with the best score, then the race of its ``W`` tokens, read back from ``base`` and
 ``bias``), hashing their Philox blocks with the hardware's ``mul.hi``/``mul.lo``: in XLA the
 hash's 32-bit products are emulated in 16-bit halves, which made the sampling programs
-several times larger and their compilation slower (README note 47).
+several times larger and their compilation slower (README note 47). How the work is laid
+out (race blocks per block program, warps per program of either kernel) is a
+:class:`RaceTuning`; with ``P > 1`` blocks per program, program ``(b, p)`` reads blocks
+``p·P … p·P + P − 1`` as one ``[P, W]`` tile, its loads and stores masked past ``V``.
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
 ``exp`` through libdevice as XLA does, the division rounded to nearest as XLA's, the block
@@ -266,10 +269,10 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, base_ref, bias_ref, out_ref, **static):
-    """Program ``b``: row ``b``'s token from its blocks' ``(score, token)`` ``[B, P]`` (columns
-    from ``NB`` on unwritten, masked), as :func:`dspark_jax.sampling.race_blocks` picks it: the
-    block with the best score, then the race of its tokens, read back from ``base`` and
-    ``bias``."""
+    """Program ``b``: row ``b``'s token from its blocks' ``(score, token)``, ``[B, S]`` each with
+    ``S`` a power of two ``≥ NB`` (columns from ``NB`` on unwritten or past ``V``, masked), as
+    :func:`dspark_jax.sampling.race_blocks` picks it: the block with the best score, then the
+    race of its tokens, read back from ``base`` and ``bias``."""
     vocab, width, blocks, interpret = (static[name] for name in ("vocab", "width", "blocks", "interpret"))
     b = pl.program_id(0)
     step = step_ref[0]
