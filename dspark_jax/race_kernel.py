@@ -49,11 +49,11 @@ from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.sampling import (
     BLOCK_NOISE,
-    MASS_SCALE,
     RACE_BLOCK,
     TOKEN_NOISE,
     _key_words,
     _log_exponential,
+    block_log_mass,
     block_mass,
     mul_hi_lo,
     philox4x32,
@@ -254,9 +254,8 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
     def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
         x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
         top, mass = block_mass(jnp.where(owned & ~jnp.isnan(x), x, -jnp.inf))
-        log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))
         noise = _noise(words_ref[b, step, 0], words_ref[b, step, 1], block.astype(jnp.uint32), BLOCK_NOISE, interpret)
-        score = log_p - noise
+        score = block_log_mass(top, mass) - noise
         return score, (score * 0).astype(jnp.int32)
 
     score, token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)

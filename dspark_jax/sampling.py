@@ -363,6 +363,13 @@ def block_mass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return top, high.astype(jnp.float32) * 2.0**15 + low.astype(jnp.float32)
 
 
+def block_log_mass(top: jax.Array, mass: jax.Array) -> jax.Array:
+    """``log p_S = top + log(mass · 2⁻³⁰)`` of :func:`block_mass`'s ``(top, mass)`` (the race
+    kernel calls it too, so both compute the same operations): ``+inf`` for a block holding
+    a ``+inf`` score, ``-inf`` for an all ``-inf`` block (``-inf + log 0``)."""
+    return jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))
+
+
 def block_scores(top: jax.Array, mass: jax.Array, words: jax.Array) -> jax.Array:
     """The blocks' race: ``log p_S − log E_S`` with ``log p_S = top + log(mass · 2⁻³⁰)``.
 
@@ -374,9 +381,8 @@ def block_scores(top: jax.Array, mass: jax.Array, words: jax.Array) -> jax.Array
       float32 ``[B, NB]``: ``+inf`` for a block holding a ``+inf`` score, ``-inf`` for an all
       ``-inf`` block.
     """
-    log_p = jnp.where(top == jnp.inf, jnp.inf, top + jnp.log(mass * (1 / MASS_SCALE)))  # -inf + log 0 = -inf
     blocks = jnp.arange(top.shape[-1], dtype=jnp.uint32)[None]
-    return log_p - _noise(words, blocks, BLOCK_NOISE)
+    return block_log_mass(top, mass) - _noise(words, blocks, BLOCK_NOISE)
 
 
 def _slice_rows(rows: jax.Array, start: jax.Array, width: int) -> jax.Array:
