@@ -376,7 +376,7 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     }
 
 
-def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 25) -> dict[str, Any]:
+def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 80) -> dict[str, Any]:
     """Device time per kernel over ``iters`` calls, from a ``jax.profiler`` trace.
 
     Returns:

@@ -62,11 +62,18 @@ def _race_env(value: str | None) -> Iterator[None]:
 
 
 def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling, tuning):
-    """:func:`walk_block` over the split Markov head; returns ``(tokens [B, γ], corrected [B, γ, V])``."""
+    """:func:`walk_block` over the split Markov head; returns ``(tokens [B, γ], corrected)``.
+
+    ``corrected`` is ``[B, γ, V]`` with folding and ``[B, γ, 0]`` without, as the round returns
+    it (:func:`~dspark_jax.proposal.propose_with`): the greedy-only program then never forms
+    the corrected logits, and timing them would charge it for work its round does not do.
+    """
     head = nnx.merge(graphdef, state)
     tokens, corrected, _, _ = walk_block(
         head, base, hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling, race_tuning=tuning
     )
+    if not fold_sampling:
+        corrected = jnp.zeros((*tokens.shape, 0), corrected.dtype)
     return tokens, corrected
 
 

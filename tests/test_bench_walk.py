@@ -59,6 +59,20 @@ def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(ti
     assert os.environ[RACE_ENV] == "pallas"  # the xla path's setting was undone
 
 
+def test_greedy_only_walk_drops_the_corrected_logits_as_the_round_does(tiny_draft, monkeypatch):
+    monkeypatch.setenv(RACE_ENV, "xla")
+    cfg = tiny_draft.cfg
+    graphdef, state = nnx.split(tiny_draft.markov_head)
+    x = bench_walk.walk_inputs(tiny_draft, 3)
+    temps, top_k = bench.sampling_params(3, "greedy")
+    args = (graphdef, state, x["base"], x["hidden"], x["bonus"], temps, top_k, x["key"])
+    tokens, corrected = bench_walk._walk(*args, fold_sampling=False, tuning=None)
+    folded_tokens, folded = bench_walk._walk(*args, fold_sampling=True, tuning=None)
+    assert corrected.shape == (3, cfg.block_size, 0)  # not formed: the greedy-only round drops them
+    assert folded.shape == (3, cfg.block_size, cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(folded_tokens))
+
+
 def test_walk_inputs_have_the_draft_shapes(tiny_draft):
     cfg = tiny_draft.cfg
     x = bench_walk.walk_inputs(tiny_draft, 4)
