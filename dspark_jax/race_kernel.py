@@ -82,9 +82,10 @@ class RaceTuning:
       warps: warps per program of the block kernel.
       pick_warps: warps per program of the pick kernel.
 
-    The defaults are the setting measured on the H200 (README note 47): 2 warps per block
-    program were faster than 4 at every batch, 8 per pick program faster than 4 at batches
-    1–32; more blocks per program are not measured yet.
+    The defaults are the setting measured on the H200 (README notes 47 and 48): 2 warps per
+    block program were faster than 4 at every batch, 8 per pick program faster than 4 at
+    batches 1–32, and 2, 4 or 8 blocks per program slower than 1 (the masked tiles cost more
+    than the fewer programs save).
     """
 
     blocks_per_program: int = 1
