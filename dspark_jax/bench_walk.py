@@ -40,7 +40,7 @@ from flax import nnx
 
 from dspark_jax.bench import sampling_params, time_calls
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.proposal import walk_block
+from dspark_jax.proposal import returned_corrected, walk_block
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel
 
 WALK_PATHS = ("greedy_only", "folded", "folded_xla")
@@ -64,17 +64,15 @@ def _race_env(value: str | None) -> Iterator[None]:
 def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling, tuning):
     """:func:`walk_block` over the split Markov head; returns ``(tokens [B, γ], corrected)``.
 
-    ``corrected`` is ``[B, γ, V]`` with folding and ``[B, γ, 0]`` without, as the round returns
-    it (:func:`~dspark_jax.proposal.propose_with`): the greedy-only program then never forms
-    the corrected logits, and timing them would charge it for work its round does not do.
+    ``corrected`` is what the round returns (:func:`~dspark_jax.proposal.returned_corrected`):
+    ``[B, γ, 0]`` without folding, so the greedy-only program never forms the corrected logits
+    (timing them would charge it for work its round does not do).
     """
     head = nnx.merge(graphdef, state)
     tokens, corrected, _, _ = walk_block(
         head, base, hidden, bonus, temperatures, top_k, key, fold_sampling=fold_sampling, race_tuning=tuning
     )
-    if not fold_sampling:
-        corrected = jnp.zeros((*tokens.shape, 0), corrected.dtype)
-    return tokens, corrected
+    return tokens, returned_corrected(corrected, fold_sampling)
 
 
 def walk_inputs(draft: DSparkDraft, batch: int, seed: int = 0) -> dict[str, jax.Array]:

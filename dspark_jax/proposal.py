@@ -266,6 +266,12 @@ def _pick(
     return greedy_step(logits)
 
 
+def returned_corrected(corrected: jax.Array, fold_sampling: bool) -> jax.Array:
+    """The corrected logits a round returns: ``corrected [B, γ, V]`` with folding, an empty
+    ``[B, γ, 0]`` without (it depends on the shape only, so XLA never forms the logits)."""
+    return corrected if fold_sampling else jnp.zeros((*corrected.shape[:-1], 0), corrected.dtype)
+
+
 def _finish(
     draft: DSparkDraft,
     slot_hidden: jax.Array,
@@ -277,11 +283,9 @@ def _finish(
     fold_sampling: bool,
 ) -> DraftBlock:
     """The :class:`DraftBlock` of ``tokens [B, γ]``; ``corrected [B, γ, V]`` is dropped without folding."""
-    if not fold_sampling:
-        corrected = jnp.zeros((*tokens.shape, 0), corrected.dtype)
     return DraftBlock(
         draft_tokens=tokens,
-        corrected_logits=corrected,
+        corrected_logits=returned_corrected(corrected, fold_sampling),
         greedy_mask=greedy,
         temperatures=temps,
         confidence=_confidence(draft, slot_hidden, bonus, tokens),
