@@ -50,6 +50,7 @@ from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV, attent
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.greedy_kernel import GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
@@ -978,6 +979,9 @@ def format_table(result: dict[str, Any]) -> str:
     if "race" in meta:
         kernel = "fused Pallas kernel per step" if meta.get("race_kernel") else "XLA"
         lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
+    if "greedy" in meta:
+        kernel = "two Pallas kernels per step" if meta.get("greedy_kernel") else "XLA"
+        lines.append(f"greedy-only walk's step: {kernel} ({GREEDY_ENV}={meta['greedy']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -1156,6 +1160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"the folded walk's sampling step (sets {RACE_ENV}; default: the environment's, else auto)",
     )
+    parser.add_argument(
+        "--greedy",
+        choices=RACE_CHOICES,
+        default=None,
+        help=f"the greedy-only walk's step (sets {GREEDY_ENV}; default: the environment's, else auto)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1169,6 +1179,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ[ATTENTION_ENV] = args.attention  # the compile subprocesses inherit it
     if args.race:
         os.environ[RACE_ENV] = args.race
+    if args.greedy:
+        os.environ[GREEDY_ENV] = args.greedy
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters
@@ -1244,6 +1256,8 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         attention_kernel=use_kernel(cfg.jnp_dtype, cfg.head_dim, shapes.context + 2 * cfg.num_query_rows)[0],
         race=race_choice(),
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
+        greedy=greedy_choice(),
+        greedy_kernel=use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype)[0],
     )
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
     _save(args.out, result)

@@ -66,8 +66,21 @@ class MarkovHead(nnx.Module):
         Returns:
           ``(state [B, r], bias [B, V])``.
         """
-        z, state = self._latent(state, self.embed_prev(prev, clip=True), h)
+        z, state = self.latent(state, self.embed_prev(prev, clip=True), h)
         return state, self.project(z)
+
+    def latent(self, state: jax.Array, e: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The step's latent from the embedded previous token.
+
+        Args:
+          state: ``[B, r]``.
+          e: ``[B, r]`` rows of ``markov_w1`` (:meth:`embed_prev`) in the head's dtype.
+          h: ``[B, H]`` draft hidden state of this slot.
+
+        Returns:
+          ``(z [B, r], state [B, r])``: the bias is ``project(z)``.
+        """
+        return self._latent(state, e, h)
 
     def block(self, prev: jax.Array, h: jax.Array) -> jax.Array:
         """Teacher-forced bias for a whole block.

@@ -32,6 +32,7 @@ from flax import nnx, struct
 from dspark_jax.cache import ContextCache, context_mask
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.greedy_kernel import greedy_markov_walk, use_greedy_kernel
 from dspark_jax.markov import MarkovHead, markov_walk
 from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kernel
 from dspark_jax.sampling import (
@@ -377,8 +378,10 @@ def walk_block(
     fold_sampling: bool = True,
     race_tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The round's Markov walk over its base logits (pure): the race kernel per step where
-    :func:`~dspark_jax.race_kernel.use_race_kernel` says so, else the XLA sampler.
+    """The round's Markov walk over its base logits (pure): with folding, the race kernel per
+    step where :func:`~dspark_jax.race_kernel.use_race_kernel` says so; without, the greedy
+    kernels where :func:`~dspark_jax.greedy_kernel.use_greedy_kernel` says so; else the XLA
+    walk.
 
     Args:
       head: the draft's Markov head, or ``None``.
@@ -390,7 +393,8 @@ def walk_block(
 
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] in base's dtype, greedy [B] bool,
-      temperatures [B] float32 clamped)``.
+      temperatures [B] float32 clamped)``; without folding ``corrected`` may be an empty
+      ``[B, γ, 0]`` (the greedy kernels never form it; the round drops it anyway).
     """
     batch = base.shape[0]
     temps = clamp_temperatures(temperatures)
@@ -399,6 +403,11 @@ def walk_block(
     kernel, interpret = False, False
     if fold_sampling and head is not None:
         kernel, interpret = use_race_kernel(base.shape[-1])
+    elif head is not None:
+        greedy_kernel, interpret = use_greedy_kernel(head.rank, head.dtype)
+        if greedy_kernel:  # two kernels per step, the [B, V] bias never in memory
+            tokens = greedy_markov_walk(head, base, slot_hidden, bonus, interpret=interpret)
+            return tokens, jnp.zeros((*base.shape[:2], 0), base.dtype), greedy, temps
     if kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
         tokens, corrected = raced_markov_walk(
             head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret, tuning=race_tuning

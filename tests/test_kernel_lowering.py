@@ -12,6 +12,7 @@ import pytest
 from jax import export
 
 from dspark_jax.attention_kernel import attend_block
+from dspark_jax.greedy_kernel import greedy_markov_walk
 from dspark_jax.qk_norm_kernel import qk_norm_rope
 from dspark_jax.race_kernel import RaceTuning, race_step
 
@@ -75,3 +76,27 @@ def test_attend_block_lowers_for_cuda(splits, kernels):
     cache = S((layers, slots, capacity, kvh, d), jnp.bfloat16)
     ints = S((b,), jnp.int32)
     assert triton_calls_for_cuda(fn, S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints) == kernels
+
+
+@pytest.mark.parametrize("head_type, batch", [("vanilla", 3), ("rnn", 130)])  # rnn: latents in XLA
+def test_greedy_walk_lowers_for_cuda(head_type, batch):
+    """Two kernels per step and no GEMM left to XLA for a vanilla head: the ``[B, V]`` bias is
+    never formed outside the kernels."""
+    from flax import nnx
+
+    from dspark_jax import bench
+    from dspark_jax.presets import load_preset
+
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
+    head = nnx.merge(*bench.build_draft(cfg)).markov_head
+    g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
+
+    def fn(base, hidden, bonus):
+        return greedy_markov_walk(head, base, hidden, bonus)
+
+    args = (S((batch, g, v), jnp.bfloat16), S((batch, g, h), jnp.bfloat16), S((batch,), jnp.int32))
+    text = cuda_module(fn, *args)
+    assert text.count("call @greedy_tiles(") == g and text.count("call @pick_tiles") == g  # one each per step
+    kernels = [line for line in text.splitlines() if f"@{TRITON}(" in line]
+    outside = [line for line in text.splitlines() if line not in kernels and "dot_general" in line]
+    assert (len(outside) == 0) == (head_type == "vanilla")  # the RNN head's own projection stays in XLA
