@@ -980,8 +980,9 @@ def format_table(result: dict[str, Any]) -> str:
         kernel = "fused Pallas kernel per step" if meta.get("race_kernel") else "XLA"
         lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
     if "greedy" in meta:
-        kernel = "two Pallas kernels per step" if meta.get("greedy_kernel") else "XLA"
-        lines.append(f"greedy-only walk's step: {kernel} ({GREEDY_ENV}={meta['greedy']})")
+        on = meta.get("greedy_kernel") or []
+        kernel = f"two Pallas kernels per step at batches {on}" if on else "XLA"
+        lines.append(f"greedy-only walk's step: {kernel}, XLA at the others ({GREEDY_ENV}={meta['greedy']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -1257,7 +1258,7 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         race=race_choice(),
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
         greedy=greedy_choice(),
-        greedy_kernel=use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype)[0],
+        greedy_kernel=[b for b in batches if use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype, b)[0]],
     )
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
     _save(args.out, result)

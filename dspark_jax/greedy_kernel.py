@@ -21,7 +21,7 @@ equalled the XLA walk's in every row measured (README note 49).
 
 :func:`greedy_supported` says when the kernel applies (a 16-bit head dtype, ``r`` a power of
 two of at least 16) and :func:`use_greedy_kernel` whether this trace uses it
-(:data:`GREEDY_ENV`; by default on GPU backends only).
+(:data:`GREEDY_ENV`; by default on GPU backends only, up to :data:`GREEDY_AUTO_MAX_BATCH` rows).
 """
 
 from __future__ import annotations
@@ -101,9 +101,17 @@ def greedy_supported(rank: int, dtype: jnp.dtype) -> bool:
     return half and rank >= 16 and not rank & (rank - 1)
 
 
-def use_greedy_kernel(rank: int, dtype: jnp.dtype) -> tuple[bool, bool]:
-    """``(use the kernel, through the interpreter)`` for this trace, from :func:`greedy_choice`."""
-    return kernel_mode(GREEDY_ENV, greedy_supported(rank, dtype))
+GREEDY_AUTO_MAX_BATCH = 64
+"""The largest batch ``auto`` runs the kernels for. At batch 128 the split round was not faster
+with them on the H200 (pipelined +0.03 to −0.09 ms, waited medians 0.14–0.18 ms slower in four
+interleaved A/Bs, README note 49), though the walk alone was; ``pallas`` forces them."""
+
+
+def use_greedy_kernel(rank: int, dtype: jnp.dtype, batch: int) -> tuple[bool, bool]:
+    """``(use the kernel, through the interpreter)`` for this trace, from :func:`greedy_choice`
+    (``auto``: up to :data:`GREEDY_AUTO_MAX_BATCH` rows)."""
+    wanted = batch <= GREEDY_AUTO_MAX_BATCH or greedy_choice() == "pallas"
+    return kernel_mode(GREEDY_ENV, greedy_supported(rank, dtype) and wanted)
 
 
 def padded_rows(batch: int) -> int:

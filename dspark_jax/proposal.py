@@ -404,7 +404,7 @@ def walk_block(
     if fold_sampling and head is not None:
         kernel, interpret = use_race_kernel(base.shape[-1])
     elif head is not None:
-        greedy_kernel, interpret = use_greedy_kernel(head.rank, head.dtype)
+        greedy_kernel, interpret = use_greedy_kernel(head.rank, head.dtype, batch)
         if greedy_kernel:  # two kernels per step, the [B, V] bias never in memory
             tokens = greedy_markov_walk(head, base, slot_hidden, bonus, interpret=interpret)
             return tokens, jnp.zeros((*base.shape[:2], 0), base.dtype), greedy, temps

@@ -8,6 +8,7 @@ from flax import nnx
 
 from dspark_jax import bench, propose
 from dspark_jax.greedy_kernel import (
+    GREEDY_AUTO_MAX_BATCH,
     GREEDY_ENV,
     GreedyTuning,
     greedy_choice,
@@ -140,13 +141,15 @@ def test_propose_greedy_only_takes_the_kernels_and_keeps_its_tokens(monkeypatch)
 def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     monkeypatch.delenv(GREEDY_ENV, raising=False)
     assert greedy_choice() == "auto"
-    assert use_greedy_kernel(256, jnp.bfloat16) == (jax.default_backend() == "gpu", False)
+    on_gpu = jax.default_backend() == "gpu"
+    assert use_greedy_kernel(256, jnp.bfloat16, GREEDY_AUTO_MAX_BATCH) == (on_gpu, False)
+    assert use_greedy_kernel(256, jnp.bfloat16, GREEDY_AUTO_MAX_BATCH + 1) == (False, False)  # XLA was faster
     monkeypatch.setenv(GREEDY_ENV, " Pallas ")
-    assert use_greedy_kernel(256, jnp.bfloat16) == (True, INTERPRET)
-    assert use_greedy_kernel(256, jnp.float32) == (False, False)  # TF32 products: not XLA's GEMM
-    assert use_greedy_kernel(24, jnp.bfloat16) == (False, False)
+    assert use_greedy_kernel(256, jnp.bfloat16, 128) == (True, INTERPRET)  # forced at any batch
+    assert use_greedy_kernel(256, jnp.float32, 8) == (False, False)  # TF32 products: not XLA's GEMM
+    assert use_greedy_kernel(24, jnp.bfloat16, 8) == (False, False)
     monkeypatch.setenv(GREEDY_ENV, "xla")
-    assert use_greedy_kernel(256, jnp.bfloat16) == (False, False)
+    assert use_greedy_kernel(256, jnp.bfloat16, 8) == (False, False)
     monkeypatch.setenv(GREEDY_ENV, "cuda")
     with pytest.raises(ValueError, match="DSPARK_JAX_GREEDY='cuda' is invalid"):
         greedy_choice()
