@@ -110,6 +110,9 @@ _EXPORTS = {
     "attend_block": "dspark_jax.attention_kernel",
     "context_attention": "dspark_jax.attention_kernel",
     "ATTENTION_ENV": "dspark_jax.attention_kernel",
+    # the greedy-only walk's kernels (note 49)
+    "GREEDY_ENV": "dspark_jax.greedy_kernel",
+    "GreedyTuning": "dspark_jax.greedy_kernel",
 }
 
 

@@ -1,9 +1,10 @@
 """Choosing, per trace, between a Pallas kernel and the XLA path, from an environment variable.
 
-Each kernel module (:mod:`dspark_jax.attention_kernel`, :mod:`dspark_jax.race_kernel`) names
-its variable; the values are the same for all: ``auto`` (default: the kernel on GPU backends
-where the kernel module says it applies), ``xla`` (never the kernel) or ``pallas`` (the
-kernel wherever it applies, through the Pallas interpreter off GPUs).
+Each kernel module (:mod:`dspark_jax.attention_kernel`, :mod:`dspark_jax.race_kernel`,
+:mod:`dspark_jax.greedy_kernel`) names its variable; the values are the same for all:
+``auto`` (default: the kernel on GPU backends where the kernel module says it applies),
+``xla`` (never the kernel) or ``pallas`` (the kernel wherever it applies, through the
+Pallas interpreter off GPUs).
 """
 
 from __future__ import annotations
