@@ -50,7 +50,7 @@ from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV, attent
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.greedy_kernel import GREEDY_ENV, greedy_choice, use_greedy_kernel
+from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
@@ -981,8 +981,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
     if "greedy" in meta:
         on = meta.get("greedy_kernel") or []
-        kernel = f"two Pallas kernels per step at batches {on}" if on else "XLA"
-        lines.append(f"greedy-only walk's step: {kernel}, XLA at the others ({GREEDY_ENV}={meta['greedy']})")
+        kernel = f"two Pallas kernels per step at batches {on}, XLA at the others" if on else "XLA"
+        lines.append(f"greedy-only walk's step: {kernel} ({GREEDY_ENV}={meta['greedy']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -1163,7 +1163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--greedy",
-        choices=RACE_CHOICES,
+        choices=GREEDY_CHOICES,
         default=None,
         help=f"the greedy-only walk's step (sets {GREEDY_ENV}; default: the environment's, else auto)",
     )

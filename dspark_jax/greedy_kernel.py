@@ -35,13 +35,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.kernel_choice import env_choice, kernel_mode
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
 from dspark_jax.markov import MarkovHead, VanillaMarkovHead
 
 GREEDY_ENV = "DSPARK_JAX_GREEDY"
 """Environment variable choosing the greedy-only walk's step: ``auto`` (default: the kernel
 on GPUs when :func:`greedy_supported`), ``xla`` (never) or ``pallas`` (wherever supported,
 the Pallas interpreter off GPUs)."""
+
+GREEDY_CHOICES = KERNEL_CHOICES
 
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _WARP_COUNTS = (1, 2, 4, 8, 16)

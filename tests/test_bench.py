@@ -63,6 +63,9 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     assert "host: a trivial jitted op is ready" in table
     kernel = "fused Pallas kernel per step" if _ON_GPU else "XLA"
     assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_RACE=auto)" in table
+    assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
+    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
+    assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 
