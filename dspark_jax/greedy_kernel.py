@@ -105,7 +105,7 @@ def greedy_supported(rank: int, dtype: jnp.dtype) -> bool:
 
 GREEDY_AUTO_MAX_BATCH = 64
 """The largest batch ``auto`` runs the kernels for. At batch 128 the split round was not faster
-with them on the H200 (pipelined +0.03 to −0.09 ms, waited medians 0.14–0.18 ms slower in four
+with them on the H200 (pipelined +0.03 to −0.09 ms, waited medians 0.14–0.19 ms slower in five
 interleaved A/Bs, README note 49), though the walk alone was; ``pallas`` forces them."""
 
 
