@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 
 ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 """Environment variable choosing the draft's context attention: ``auto`` (default: the
@@ -300,14 +300,6 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, *, axis: int = 2) -> 
     return (o * w[..., None]).sum(axis=axis), top, (l * w).sum(axis=axis)
 
 
-def _triton_params(interpret: bool) -> dict:
-    if interpret:
-        return {}
-    from jax.experimental.pallas import triton as plgpu
-
-    return {"compiler_params": plgpu.CompilerParams(num_warps=4, num_stages=2)}
-
-
 def _check_query_layout(q: jax.Array) -> None:
     """``q [B, R, KVH, Gp, D]``: ``R`` and ``Gp`` powers of two, ``R · Gp ≥ 16``."""
     rows, group = (q.shape[1], q.shape[3]) if q.ndim == 5 else (0, 0)
@@ -356,7 +348,7 @@ def _partials(q, cache_k, cache_v, prefix_lens, slots, *, layer, splits, interpr
         ],
         interpret=interpret,
         name="dspark_context_attention",
-        **_triton_params(interpret),
+        **triton_params(4, 2, interpret),
     )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
 
 
@@ -460,7 +452,7 @@ def attend_block(
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_block_attention",
-            **_triton_params(interpret),
+            **triton_params(4, 2, interpret),
         )(prefix_lens.astype(jnp.int32), slots, q5, cache_k, cache_v, k, v)
     else:
         o, m, l = _partials(q5, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
@@ -481,6 +473,6 @@ def attend_block(
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_merge_attention",
-            **_triton_params(interpret),
+            **triton_params(4, 2, interpret),
         )(q5, o, m, l, k, v)
     return out.reshape(b, s, nh * d)

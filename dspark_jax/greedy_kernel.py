@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 from dspark_jax.markov import MarkovHead, VanillaMarkovHead
 
 GREEDY_ENV = "DSPARK_JAX_GREEDY"
@@ -174,14 +174,6 @@ def _pick_kernel(top_ref, idx_ref, w1_ref, token_ref, e_ref, *, batch, span):
     e_ref[...] = jnp.where(b < batch, row, jnp.zeros_like(row))[None, :]
 
 
-def _params(warps: int, stages: int, interpret: bool) -> dict:
-    if interpret:
-        return {}
-    from jax.experimental.pallas import triton as plgpu
-
-    return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
-
-
 @functools.partial(jax.jit, static_argnames=("batch", "interpret", "tuning"))
 def greedy_tiles(
     z: jax.Array,
@@ -242,7 +234,7 @@ def greedy_tiles(
         ],
         interpret=interpret,
         name="dspark_greedy_tiles",
-        **_params(tuning.warps_for(rows), tuning.stages, interpret),
+        **triton_params(tuning.warps_for(rows), tuning.stages, interpret),
     )(step, z, w2, base)
 
 
@@ -273,7 +265,7 @@ def pick_tiles(
         out_shape=[jax.ShapeDtypeStruct((total, 1), jnp.int32), jax.ShapeDtypeStruct((total, rank), w1.dtype)],
         interpret=interpret,
         name="dspark_greedy_pick",
-        **_params(4, 1, interpret),
+        **triton_params(4, 1, interpret),
     )(top, idx, w1)
     return tokens[:, 0], e
 

@@ -28,6 +28,16 @@ def env_choice(variable: str) -> str:
     return value
 
 
+def triton_params(warps: int, stages: int, interpret: bool) -> dict:
+    """``pallas_call`` keyword arguments for a Triton kernel of ``warps`` warps and ``stages``
+    pipeline stages (none through the interpreter, which takes no compiler parameters)."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+
+    return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
+
+
 def kernel_mode(variable: str, supported: bool) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace.
 

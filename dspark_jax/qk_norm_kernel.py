@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _load, _store, _whole
+from dspark_jax.kernel_choice import triton_params
 from dspark_jax.layers import rope_angles
 
 
@@ -125,11 +126,6 @@ def qk_norm_rope(
         jax.ShapeDtypeStruct((b, s, num_kv_heads, dim), qkv.dtype),
         jax.ShapeDtypeStruct((b, s, num_kv_heads, dim), qkv.dtype),
     ]
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
         functools.partial(_kernel, nh=num_heads, kvh=num_kv_heads, eps=eps),
         grid=(b, s),
@@ -138,7 +134,7 @@ def qk_norm_rope(
         out_shape=out_shape,
         interpret=interpret,
         name="dspark_qk_norm_rope",
-        **params,
+        **triton_params(4, 1, interpret),
     )(qkv4, q_weight, k_weight, cos.astype(jnp.float32), sin.astype(jnp.float32))
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 from dspark_jax.sampling import (
     BLOCK_NOISE,
     RACE_BLOCK,
@@ -367,12 +367,6 @@ def race_step(
         args.append(corrected)
         aliases = {len(args) - 1: 0}
     tile = pl.BlockSpec((1, per_program), lambda b, j: (b, j))
-    params, pick_params = {}, {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=tuning.warps, num_stages=1)
-        pick_params["compiler_params"] = plgpu.CompilerParams(num_warps=tuning.pick_warps, num_stages=1)
     # The pick kernel loads a power of two of columns, at least the programs' P each.
     span = max(1 << (blocks - 1).bit_length(), per_program)
     out, score, token = pl.pallas_call(
@@ -388,7 +382,7 @@ def race_step(
         input_output_aliases=aliases,
         interpret=interpret,
         name="dspark_race_step",
-        **params,
+        **triton_params(tuning.warps, 1, interpret),
     )(*args)
     pick = functools.partial(_pick_kernel, vocab=vocab, width=width, blocks=blocks, interpret=interpret)
     blocks_in = [args[0], t, args[2], words, score, token, base, bias]
@@ -400,7 +394,7 @@ def race_step(
         out_shape=jax.ShapeDtypeStruct((batch, 1), jnp.int32),
         interpret=interpret,
         name="dspark_race_pick",
-        **pick_params,
+        **triton_params(tuning.pick_warps, 1, interpret),
     )(*blocks_in)
     return tokens[:, 0], out
 

@@ -6,13 +6,16 @@ rather than on the first GPU run. Not covered: Triton's own compilation to PTX a
 kernels' numbers (the interpreter tests and the H200 runs check those).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
 
 from dspark_jax.attention_kernel import attend_block
-from dspark_jax.greedy_kernel import greedy_markov_walk
+from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles
+from dspark_jax.kernel_choice import triton_params
 from dspark_jax.qk_norm_kernel import qk_norm_rope
 from dspark_jax.race_kernel import RaceTuning, race_step
 
@@ -61,7 +64,9 @@ def test_qk_norm_rope_lowers_for_cuda(heads, kv_heads):
         return qk_norm_rope(qkv, qw, kw, cos, sin, num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
 
     args = [S((b, s, (heads + 2 * kv_heads) * d), jnp.bfloat16), S((d,), jnp.bfloat16), S((d,), jnp.bfloat16)]
-    assert triton_calls_for_cuda(fn, *args, S((b, s, d // 2), jnp.float32), S((b, s, d // 2), jnp.float32)) == 1
+    angles = S((b, s, d // 2), jnp.float32)
+    assert triton_calls_for_cuda(fn, *args, angles, angles) == 1
+    assert _launch_settings(cuda_module(fn, *args, angles, angles)) == [(4, 1)]
 
 
 @pytest.mark.parametrize("splits, kernels", [(1, 1), (2, 2)])  # one kernel, or key ranges + merge
@@ -75,7 +80,9 @@ def test_attend_block_lowers_for_cuda(splits, kernels):
     own = S((b, s, kvh, d), jnp.bfloat16)
     cache = S((layers, slots, capacity, kvh, d), jnp.bfloat16)
     ints = S((b,), jnp.int32)
-    assert triton_calls_for_cuda(fn, S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints) == kernels
+    args = (S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints)
+    assert triton_calls_for_cuda(fn, *args) == kernels
+    assert _launch_settings(cuda_module(fn, *args)) == [(4, 2)] * kernels
 
 
 @pytest.mark.parametrize("head_type, batch", [("vanilla", 3), ("rnn", 130)])  # rnn: latents in XLA
@@ -100,3 +107,31 @@ def test_greedy_walk_lowers_for_cuda(head_type, batch):
     kernels = [line for line in text.splitlines() if f"@{TRITON}(" in line]
     outside = [line for line in text.splitlines() if line not in kernels and "dot_general" in line]
     assert (len(outside) == 0) == (head_type == "vanilla")  # the RNN head's own projection stays in XLA
+
+
+def _launch_settings(text: str) -> list[tuple[int, int]]:
+    """``(num_warps, num_stages)`` of each Triton call in a lowered module, in order."""
+    warps = [int(w) for w in re.findall(r"num_warps = (\d+)", text)]
+    stages = [int(s) for s in re.findall(r"num_stages = (\d+)", text)]
+    return list(zip(warps, stages, strict=True))
+
+
+def test_each_kernel_launches_with_its_layout():
+    """The warps and pipeline stages each kernel asks for (its tuning, or its fixed layout) reach
+    the Triton call; through the interpreter no compiler parameters are passed at all."""
+    b, g, v = 3, 2, 300
+    tuning = GreedyTuning(warps=2, stages=4)
+
+    def greedy(z, w2, base):
+        return greedy_tiles(z, w2, base, 0, batch=b, tuning=tuning)
+
+    z, w2, base = S((16, 32), jnp.bfloat16), S((v, 32), jnp.bfloat16), S((b, g, v), jnp.bfloat16)
+    assert _launch_settings(cuda_module(greedy, z, w2, base)) == [(2, 4)]
+
+    def race(base, bias, t, greedy_rows, words):
+        return race_step(base, bias, None, t, greedy_rows, words, 0, tuning=RaceTuning(warps=1, pick_warps=4))
+
+    rows = [S((8,), jnp.float32), S((8,), jnp.bool_), S((8, 7, 2), jnp.uint32)]
+    text = cuda_module(race, S((8, 7, 2500), jnp.bfloat16), S((8, 2500), jnp.bfloat16), *rows)
+    assert _launch_settings(text) == [(1, 1), (4, 1)]  # the block kernel, then the pick kernel
+    assert triton_params(8, 3, interpret=True) == {}
