@@ -53,7 +53,6 @@ from dspark_jax.draft import DSparkDraft
 from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
-from dspark_jax.race_tiles import race_tiles_supported
 from dspark_jax.ready import spin_until_ready
 from dspark_jax.target import KVCache, Qwen3Target
 
@@ -979,8 +978,6 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
     if "race" in meta:
         kernel = "fused Pallas kernel per step" if meta.get("race_kernel") else "XLA"
-        if meta.get("race_tiles"):
-            kernel = "two Pallas kernels per step, the Markov projection inside"
         lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
     if "greedy" in meta:
         on = meta.get("greedy_kernel") or []
@@ -1260,8 +1257,6 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         attention_kernel=use_kernel(cfg.jnp_dtype, cfg.head_dim, shapes.context + 2 * cfg.num_query_rows)[0],
         race=race_choice(),
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
-        race_tiles=use_race_kernel(cfg.vocab_size)[0]
-        and race_tiles_supported(cfg.markov_rank, cfg.jnp_dtype, cfg.vocab_size),
         greedy=greedy_choice(),
         greedy_kernel=[b for b in batches if use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype, b)[0]],
     )

@@ -52,7 +52,6 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     # auto: the race kernel on GPUs (the tiny vocabulary is supported), the XLA sampler elsewhere
     assert race_supported(bench.draft_config(bench.SHAPES["tiny"]).vocab_size)
     assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is _ON_GPU
-    assert tiny_result["meta"]["race_tiles"] is False  # 16-bit heads only (as the greedy kernels)
     # the greedy kernels take 16-bit heads only: never for the float32 tiny shapes
     assert tiny_result["meta"]["greedy"] == "auto" and tiny_result["meta"]["greedy_kernel"] == []
     assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
@@ -67,10 +66,6 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
     table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
     assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table
-    table = bench.format_table(
-        {**tiny_result, "meta": {**tiny_result["meta"], "race_kernel": True, "race_tiles": True}}
-    )
-    assert "folded walk's sampling step: two Pallas kernels per step, the Markov projection inside" in table
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 

@@ -30,11 +30,11 @@ def _walk_inputs(batch, gamma, vocab, seed):
     return base, bias, temps, greedy, S.row_keys(k[2], batch)
 
 
-# one block of 64 tokens (below W = 128); 3 and 5 blocks per row, the last program clamped
-@pytest.mark.parametrize("batch, vocab", [(4, 64), (3, 300), (2, 515)])
+# one block of 64 and of 128 tokens (W = 128); 3 and 5 blocks per row, the last program clamped
+@pytest.mark.parametrize("batch, vocab", [(4, 64), (5, 128), (3, 300), (2, 515)])
 def test_race_step_equals_sample_step(batch, vocab):
     """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
-    gamma = 2
+    gamma = 3
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab)
     corrected = None
     words = step_key_words(keys, gamma)  # [B, γ, 2]
@@ -50,7 +50,7 @@ def test_race_step_equals_sample_step(batch, vocab):
 
 # P blocks per program: the last program's loads and stores masked past V (3 blocks with P = 2;
 # V a multiple of P·W; fewer blocks than P), tokens and corrected logits as with one block each
-@pytest.mark.parametrize("per_program, vocab", [(2, 300), (4, 512), (8, 385)])
+@pytest.mark.parametrize("per_program, vocab", [(2, 300), (2, 512), (4, 515), (8, 385)])
 def test_blocks_per_program_changes_no_token(per_program, vocab):
     batch, gamma = 4, 2
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)

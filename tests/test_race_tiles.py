@@ -28,14 +28,14 @@ def _rows(batch, seed):
     return temps, greedy, S.row_keys(jax.random.key(seed), batch)
 
 
-# one block of 64 (a power of two below W); V = 2W + 44 and W + 32 (the last block short, the
+# one block of 64 (a power of two below W) and of W; V = 2W + 44 (the last block short, the
 # table's tail masked); B padded to 16, to 32 and to two row blocks of 128
-@pytest.mark.parametrize("batch, vocab", [(2, 64), (20, 300), (130, 160)])
+@pytest.mark.parametrize("batch, vocab", [(2, 64), (3, 128), (20, 300), (130, 160)])
 def test_tiles_then_pick_equal_sample_step(batch, vocab):
     """Step after step: tokens equal ``sample_step`` on the exact sum (greedy rows its float32
     argmax, sampling rows the race on the kept logits), the corrected slot is the sum rounded
     to bf16 and the other slots stay as written, ``e`` is the tokens' ``markov_w1`` rows."""
-    rank, gamma = 32, 2
+    rank, gamma = 32, 3
     z, w1, w2, base = _exact_inputs(batch, gamma, vocab, rank, seed=vocab + batch)
     base = base.at[-1, 1, :].set(-jnp.inf)  # an all -inf row: token 0
     zp = jnp.zeros((padded_rows(batch), rank), z.dtype).at[:batch].set(z)
