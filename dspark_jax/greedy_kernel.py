@@ -121,22 +121,12 @@ def padded_rows(batch: int) -> int:
     return max(16, 1 << (batch - 1).bit_length())
 
 
-def tile_sums(step, z_ref, w2_ref, base_ref, *, batch, rows, tile, chunk):
-    """Program ``(i, j)``'s base logits plus Markov bias, for rows ``i·rows …`` and vocabulary tile ``j``.
+def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk):
+    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile ``j``.
 
-    The rows' latents times the tile's table rows on the tensor cores (float32 accumulation
-    over rank chunks, rounded to the table's dtype as XLA's GEMM output is), plus the base
-    logits of slot ``step``. Shared by :func:`greedy_tiles` and
-    :func:`dspark_jax.race_tiles.race_tiles`.
-
-    Args:
-      step: the slot of ``base`` to read (a scalar).
-      z_ref, w2_ref, base_ref: ``[BR, r]``, ``[V, r]``, ``[B, γ, V]``.
-      batch, rows, tile, chunk: ``B``, rows per program, ``T``, rank columns per loop step.
-
-    Returns:
-      ``(summed [rows, T] float32, cols [T] int32 token ids, valid [rows, T] bool)``; ``summed``
-      is 0 where not ``valid`` (rows from ``batch`` on, ids from ``V`` on).
+    Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
+    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``base`` ``[B, γ, V]``; outputs ``top``, ``idx``
+    ``[BR, NT]`` (this program writes its ``[rows, 1]`` block).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -159,37 +149,12 @@ def tile_sums(step, z_ref, w2_ref, base_ref, *, batch, rows, tile, chunk):
     bias = acc.astype(w2_ref.dtype).astype(jnp.float32)  # rounded as XLA's GEMM output is
     row_ids = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
     valid = (row_ids < batch)[:, None] & owned[None, :]  # [rows, T]
-    at = base_ref.at[pl.ds(first_row, rows), step, pl.ds(start, tile)]
-    return plgpu.load(at, mask=valid, other=0).astype(jnp.float32) + bias, cols, valid
-
-
-def tile_best(summed: jax.Array, cols: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's best float32 value of a tile and the lowest id holding it (NaN and invalid as ``-inf``).
-
-    Args:
-      summed: ``[rows, T]`` float32; cols: ``[T]`` int32 ids; valid: ``[rows, T]`` bool.
-
-    Returns:
-      ``(top [rows] float32, idx [rows] int32)``.
-    """
-    x = jnp.where(valid & ~jnp.isnan(summed), summed, -jnp.inf)
+    at = base_ref.at[pl.ds(first_row, rows), step_ref[0], pl.ds(start, tile)]
+    x = plgpu.load(at, mask=valid, other=0).astype(jnp.float32) + bias
+    x = jnp.where(valid & ~jnp.isnan(x), x, -jnp.inf)
     top = x.max(axis=1)  # [rows]
-    return top, jnp.where(x == top[:, None], cols[None, :], _NO_TOKEN).min(axis=1)
-
-
-def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk):
-    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile ``j``.
-
-    Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``base`` ``[B, γ, V]``; outputs ``top``, ``idx``
-    ``[BR, NT]`` (this program writes its ``[rows, 1]`` block).
-    """
-    summed, cols, valid = tile_sums(
-        step_ref[0], z_ref, w2_ref, base_ref, batch=batch, rows=rows, tile=tile, chunk=chunk
-    )
-    top, idx = tile_best(summed, cols, valid)
     top_ref[...] = top[:, None]
-    idx_ref[...] = idx[:, None]
+    idx_ref[...] = jnp.where(x == top[:, None], cols[None, :], _NO_TOKEN).min(axis=1)[:, None]
 
 
 def _pick_kernel(top_ref, idx_ref, w1_ref, token_ref, e_ref, *, batch, span):
@@ -305,26 +270,6 @@ def pick_tiles(
     return tokens[:, 0], e
 
 
-def walk_tables(head: MarkovHead, bonus: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(w1 [V, r], w2 [V, r] in the head's dtype, e [BR, r])`` for a tiled walk: the tables as
-    :meth:`~dspark_jax.markov.MarkovHead.project` reads them and step 0's ``markov_w1`` rows of
-    the anchor tokens ``bonus [B]`` (zero rows from ``B`` on)."""
-    batch = bonus.shape[0]
-    w1 = head.markov_w1[...]
-    w2 = head.markov_w2[...].astype(head.dtype)  # as MarkovHead.project multiplies
-    e = jnp.zeros((padded_rows(batch), head.rank), w1.dtype).at[:batch].set(jnp.take(w1, bonus, axis=0, mode="clip"))
-    return w1, w2, e
-
-
-def padded_latent(head: MarkovHead, state, e: jax.Array, hidden: jax.Array, batch: int):
-    """One step's latents ``z [BR, r]`` in the head's dtype from the padded ``markov_w1`` rows
-    ``e [BR, r]`` and the slot's hidden states ``[B, H]``; returns ``(z, the head's next state)``."""
-    if isinstance(head, VanillaMarkovHead):  # z = e: the padded rows go in as they are
-        return e.astype(head.dtype), state
-    z, state = head.latent(state, e[:batch].astype(head.dtype), hidden)
-    return jnp.zeros((e.shape[0], head.rank), head.dtype).at[:batch].set(z.astype(head.dtype)), state
-
-
 def greedy_markov_walk(
     head: MarkovHead,
     base_logits: jax.Array,
@@ -350,11 +295,18 @@ def greedy_markov_walk(
       with :func:`dspark_jax.sampling.greedy_step` picks them.
     """
     batch, gamma = base_logits.shape[:2]
-    w1, w2, e = walk_tables(head, bonus)
+    total = padded_rows(batch)
+    w1 = head.markov_w1[...]
+    w2 = head.markov_w2[...].astype(head.dtype)  # as MarkovHead.project multiplies
     state = head.init_state(batch)
+    e = jnp.zeros((total, head.rank), w1.dtype).at[:batch].set(jnp.take(w1, bonus, axis=0, mode="clip"))
     tokens = []
     for k in range(gamma):
-        z, state = padded_latent(head, state, e, hidden[:, k], batch)
+        if isinstance(head, VanillaMarkovHead):  # z = e: the padded rows go in as they are
+            z = e.astype(head.dtype)
+        else:
+            z, state = head.latent(state, e[:batch].astype(head.dtype), hidden[:, k])
+            z = jnp.zeros((total, head.rank), head.dtype).at[:batch].set(z.astype(head.dtype))
         top, idx = greedy_tiles(z, w2, base_logits, k, batch=batch, interpret=interpret, tuning=tuning)
         token, e = pick_tiles(top, idx, w1, batch=batch, interpret=interpret)
         tokens.append(token[:batch])

@@ -35,7 +35,6 @@ from dspark_jax.draft import DSparkDraft
 from dspark_jax.greedy_kernel import greedy_markov_walk, use_greedy_kernel
 from dspark_jax.markov import MarkovHead, markov_walk
 from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kernel
-from dspark_jax.race_tiles import race_tiles_supported, tiled_race_walk
 from dspark_jax.sampling import (
     TOP_K_ALL,
     clamp_temperatures,
@@ -379,10 +378,8 @@ def walk_block(
     fold_sampling: bool = True,
     race_tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The round's Markov walk over its base logits (pure): with folding, where
-    :func:`~dspark_jax.race_kernel.use_race_kernel` says so, the race kernels with the
-    projection inside (:func:`~dspark_jax.race_tiles.tiled_race_walk`) where they apply and
-    ``race_tuning`` is None, else the race kernel per step; without folding, the greedy
+    """The round's Markov walk over its base logits (pure): with folding, the race kernel per
+    step where :func:`~dspark_jax.race_kernel.use_race_kernel` says so; without, the greedy
     kernels where :func:`~dspark_jax.greedy_kernel.use_greedy_kernel` says so; else the XLA
     walk.
 
@@ -391,10 +388,8 @@ def walk_block(
       base: ``[B, γ, V]`` base logits (model dtype).
       slot_hidden: ``[B, γ, H]`` the slots' hidden states.
       bonus, temperatures, top_k, key, fold_sampling: as in :func:`propose_with`.
-      race_tuning: a layout of :func:`~dspark_jax.race_kernel.race_step`
-        (:class:`~dspark_jax.race_kernel.RaceTuning`), which it then uses instead of the
-        tiled kernels; None: the tiled kernels where they apply, else ``race_step``'s
-        default layout. The tokens do not depend on it.
+      race_tuning: the race kernel's layout (:class:`~dspark_jax.race_kernel.RaceTuning`;
+        None: its default); the tokens do not depend on it.
 
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] in base's dtype, greedy [B] bool,
@@ -413,10 +408,7 @@ def walk_block(
         if greedy_kernel:  # two kernels per step, the [B, V] bias never in memory
             tokens = greedy_markov_walk(head, base, slot_hidden, bonus, interpret=interpret)
             return tokens, jnp.zeros((*base.shape[:2], 0), base.dtype), greedy, temps
-    if kernel and race_tuning is None and race_tiles_supported(head.rank, head.dtype, base.shape[-1]):
-        # two kernels per step, the projection inside: the [B, V] bias never in memory
-        tokens, corrected = tiled_race_walk(head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret)
-    elif kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
+    if kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
         tokens, corrected = raced_markov_walk(
             head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret, tuning=race_tuning
         )

@@ -68,7 +68,7 @@ TOP_K_ALL = 1 << 30
 MIN_TEMPERATURE = 1e-5
 """Sampling temperatures are clamped below at this value."""
 
-RACE_BLOCK = 128
+RACE_BLOCK = 1024
 """Tokens per block of the two-level race (the last block of a row may be shorter; a
 vocabulary of at most this many tokens is one block)."""
 

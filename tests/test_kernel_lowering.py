@@ -14,11 +14,10 @@ import pytest
 from jax import export
 
 from dspark_jax.attention_kernel import attend_block
-from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles, padded_rows
+from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles
 from dspark_jax.kernel_choice import triton_params
 from dspark_jax.qk_norm_kernel import qk_norm_rope
 from dspark_jax.race_kernel import RaceTuning, race_step
-from dspark_jax.race_tiles import pick_raced, race_tiles, tiled_race_walk
 
 TRITON = "__gpu$xla.gpu.triton"
 S = jax.ShapeDtypeStruct
@@ -108,53 +107,6 @@ def test_greedy_walk_lowers_for_cuda(head_type, batch):
     kernels = [line for line in text.splitlines() if f"@{TRITON}(" in line]
     outside = [line for line in text.splitlines() if line not in kernels and "dot_general" in line]
     assert (len(outside) == 0) == (head_type == "vanilla")  # the RNN head's own projection stays in XLA
-
-
-@pytest.mark.parametrize("head_type, batch", [("vanilla", 3), ("gated", 130)])  # gated: latents in XLA
-def test_tiled_race_walk_lowers_for_cuda(head_type, batch):
-    """Two kernels per step (tiles, pick), no GEMM left to XLA for a vanilla head (the ``[B, V]``
-    bias never formed outside the kernels), no Philox hash left to XLA, and the tiles' layout:
-    4 warps up to 64 rows per program, 8 above, 3 stages; 8 warps per pick program."""
-    from flax import nnx
-
-    from dspark_jax import bench
-    from dspark_jax.presets import load_preset
-
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
-    head = nnx.merge(*bench.build_draft(cfg)).markov_head
-    g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
-
-    def fn(base, hidden, bonus, t, greedy):
-        keys = jax.random.split(jax.random.key(0), batch)
-        return tiled_race_walk(head, base, hidden, bonus, t, greedy, keys)
-
-    rows = (S((batch,), jnp.int32), S((batch,), jnp.float32), S((batch,), jnp.bool_))
-    text = cuda_module(fn, S((batch, g, v), jnp.bfloat16), S((batch, g, h), jnp.bfloat16), *rows)
-    calls = re.findall(r"call @(race_tiles|pick_raced)(?:_\d+)?\(", text)  # step 0 makes its buffer
-    assert calls == ["race_tiles", "pick_raced"] * g
-    lines = text.splitlines()
-    kernels = [line for line in lines if f"@{TRITON}(" in line]
-    outside = [line for line in lines if line not in kernels]
-    assert (not any("dot_general" in line for line in outside)) == (head_type == "vanilla")
-    warps = 4 if batch <= 64 else 8
-    assert set(_launch_settings(text)) == {(warps, 3), (8, 1)}  # the module holds each kernel once or twice
-
-    def step(z, w, base, corrected, t, greedy, words):  # the key words given: Philox only in the kernels
-        score, token, corrected = race_tiles(z, w, base, corrected, t, greedy, words, 2, batch=batch)
-        return pick_raced(score, token, w, corrected, t, greedy, words, 2, batch=batch)
-
-    table, base = S((v, head.rank), jnp.bfloat16), S((batch, g, v), jnp.bfloat16)
-    args = (
-        S((padded_rows(batch), head.rank), jnp.bfloat16),
-        table,
-        base,
-        base,
-        *rows[1:],
-        S((batch, g, 2), jnp.uint32),
-    )
-    lines = cuda_module(step, *args).splitlines()
-    kernels = [line for line in lines if f"@{TRITON}(" in line]
-    assert len(kernels) == 2 and not any("shift_right_logical" in line for line in lines if line not in kernels)
 
 
 def _launch_settings(text: str) -> list[tuple[int, int]]:

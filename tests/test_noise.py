@@ -248,42 +248,39 @@ def test_sample_step_is_the_two_level_race(vocab):
 
 
 def test_ties_across_race_blocks_go_to_lowest_id():
-    assert S.RACE_BLOCK == 128
-    vocab = 300  # blocks [0, 128), [128, 256), [256, 300)
+    vocab = 2500  # blocks [0, 1024), [1024, 2048), [2048, 2500)
     greedy_logits = np.zeros((1, vocab), np.float32)
-    greedy_logits[0, [130, 270, 299]] = 5.0
+    greedy_logits[0, [1030, 2400, 2499]] = 5.0
     sampled_logits = np.full((2, vocab), -np.inf, np.float32)
-    sampled_logits[0, [270, 130, 200]] = np.inf  # blocks 1 and 2 tie at +inf
-    sampled_logits[1, [290, 270]] = np.inf  # two +inf tokens in one block
+    sampled_logits[0, [2400, 1030, 2000]] = np.inf  # blocks 1 and 2 tie at +inf
+    sampled_logits[1, [2400, 2100]] = np.inf
     sampled_logits[1, :100] = 0.0
     for seed in range(4):
         got = sample_step(greedy_logits, np.ones(1, np.float32), np.array([True]), jax.random.key(seed))
-        assert int(got[0]) == 130
+        assert int(got[0]) == 1030
         got = sample_step(sampled_logits, np.ones(2, np.float32), np.zeros(2, bool), jax.random.key(seed))
-        np.testing.assert_array_equal(np.asarray(got), [130, 270])
+        np.testing.assert_array_equal(np.asarray(got), [1030, 2100])
 
 
 def test_last_race_block_races_only_its_own_tokens():
     """The last block's window reads the last W tokens; those of the block before are masked.
 
-    With W = 128 and V = 300, block 1 holds one token ``200`` (inside the last window,
-    ``[172, 300)``) at ``log 44`` and block 2 its 44 tokens at 0: each block wins half the
-    rows. Were 200 raced again in block 2's window it would win half of those too
-    (share ≈ 3/4); masked, its share is ½ (|share − ½| < 0.05 is over 6 standard deviations
-    for 4000 rows).
+    Block 1 holds one token ``1500`` (inside that window) at ``log 452`` and block 2 its 452
+    tokens at 0: each block wins half the rows. Were 1500 raced again in block 2's window it
+    would win half of those too (share ≈ 3/4); masked, its share is ½ (|share − ½| < 0.05 is
+    over 6 standard deviations for 4000 rows).
     """
-    assert S.RACE_BLOCK == 128
-    vocab, n = 300, 4000
+    vocab, n = 2500, 4000
     row = np.full(vocab, -np.inf, np.float32)
-    row[200] = np.log(44.0)
-    row[256:] = 0.0
+    row[1500] = np.log(452.0)
+    row[2048:] = 0.0
     got = np.asarray(
         jax.jit(sample_step)(
             np.broadcast_to(row, (n, vocab)), np.ones(n, np.float32), np.zeros(n, bool), jax.random.key(9)
         )
     )
-    assert set(np.unique(got)) <= {200, *range(256, vocab)}
-    assert abs(np.mean(got == 200) - 0.5) < 0.05
+    assert set(np.unique(got)) <= {1500, *range(2048, vocab)}
+    assert abs(np.mean(got == 1500) - 0.5) < 0.05
 
 
 def test_block_mass_is_exact_whatever_the_order():

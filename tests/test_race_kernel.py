@@ -30,8 +30,8 @@ def _walk_inputs(batch, gamma, vocab, seed):
     return base, bias, temps, greedy, S.row_keys(k[2], batch)
 
 
-# one block of 64 and of 128 tokens (W = 128); 3 and 5 blocks per row, the last program clamped
-@pytest.mark.parametrize("batch, vocab", [(4, 64), (5, 128), (3, 300), (2, 515)])
+# one block of 512 and of 1024 tokens; 3 and 5 blocks per row, the last program clamped
+@pytest.mark.parametrize("batch, vocab", [(4, 512), (5, 1024), (3, 2500), (2, 4100)])
 def test_race_step_equals_sample_step(batch, vocab):
     """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
     gamma = 3
@@ -50,7 +50,7 @@ def test_race_step_equals_sample_step(batch, vocab):
 
 # P blocks per program: the last program's loads and stores masked past V (3 blocks with P = 2;
 # V a multiple of P·W; fewer blocks than P), tokens and corrected logits as with one block each
-@pytest.mark.parametrize("per_program, vocab", [(2, 300), (2, 512), (4, 515), (8, 385)])
+@pytest.mark.parametrize("per_program, vocab", [(2, 2500), (2, 4096), (4, 4100), (8, 3073)])
 def test_blocks_per_program_changes_no_token(per_program, vocab):
     batch, gamma = 4, 2
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)
@@ -91,39 +91,39 @@ def test_race_tuning_parses_and_refuses_bad_values():
 def test_ties_nan_and_all_minus_inf_rows(per_program):
     """Greedy ties go to the lowest id (across blocks too), NaN counts as -inf, an all -inf row
     yields token 0, +inf sampled tokens tie and the lowest wins."""
-    vocab, batch = 300, 6  # blocks [0, 128), [128, 256), [256, 300)
+    vocab, batch = 2500, 6
     base = jnp.zeros((batch, 1, vocab), jnp.float32)
-    base = base.at[0, 0, [130, 260, 299]].set(5.0)  # a three-way tie across blocks 1 and 2
+    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 1 and 2
     base = base.at[1, 0, :].set(-jnp.inf)
-    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 200].set(1.0)
+    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
     base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
-    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [290, 150]].set(jnp.inf)  # sampling: +inf in blocks 1, 2
-    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 255].set(0.0)  # sampling: block 1's last token only
+    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 1, 2
+    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 1's last token only
     bias = jnp.zeros((batch, vocab), jnp.float32)
     greedy = jnp.array([True, True, True, False, False, False])
     temps = jnp.ones((batch,), jnp.float32)
     words = S._key_words(S.row_keys(jax.random.key(0), batch))[:, None]  # [B, 1, 2]
     tuning = RaceTuning(blocks_per_program=per_program)
     tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET, tuning=tuning)
-    np.testing.assert_array_equal(np.asarray(tokens), [130, 0, 200, 0, 150, 255])
+    np.testing.assert_array_equal(np.asarray(tokens), [1030, 0, 1800, 0, 1500, 2047])
 
 
 def test_race_choice_support_and_bad_vocab(monkeypatch):
-    assert all(race_supported(v) for v in (151936, 151935, 2500, 1000, 128, 64))
-    assert not any(race_supported(v) for v in (127, 96, 32))
+    assert all(race_supported(v) for v in (151936, 151935, 2500, 1024, 512, 64))
+    assert not any(race_supported(v) for v in (1023, 768, 32))
     monkeypatch.delenv(RACE_ENV, raising=False)
     assert race_choice() == "auto"
     assert use_race_kernel(512) == (jax.default_backend() == "gpu", False)
     monkeypatch.setenv(RACE_ENV, " Pallas ")
     assert use_race_kernel(512) == (True, jax.default_backend() != "gpu")
-    assert use_race_kernel(100) == (False, False)
+    assert use_race_kernel(1000) == (False, False)
     monkeypatch.setenv(RACE_ENV, "xla")
     assert use_race_kernel(512) == (False, False)
     monkeypatch.setenv(RACE_ENV, "cuda")
     with pytest.raises(ValueError, match="DSPARK_JAX_RACE='cuda' is invalid"):
         race_choice()
-    base = jnp.zeros((1, 1, 100), jnp.float32)
-    with pytest.raises(ValueError, match="vocab=100 is not supported by the race kernel: must be at least 128"):
+    base = jnp.zeros((1, 1, 1000), jnp.float32)
+    with pytest.raises(ValueError, match="vocab=1000 is not supported by the race kernel: must be at least 1024"):
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0)
     base = jnp.zeros((1, 3, 512), jnp.float32)
     with pytest.raises(ValueError, match=r"key_words has shape \(1, 2\): must be \(B, γ, 2\) = \(1, 3, 2\)"):
