@@ -24,9 +24,9 @@ def tiny_draft():
 
 def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft, monkeypatch):
     monkeypatch.setenv(RACE_ENV, "xla")
-    rows = bench_walk.bench_walk(tiny_draft, batches=(1, 3), modes=bench.MODES, iters=2)
+    rows = bench_walk.bench_walk(tiny_draft, batches=(3,), modes=bench.MODES, iters=2)
     seen = [(r["batch"], r["mode"], r["path"]) for r in rows]
-    expected = [(b, "greedy", "greedy_only") for b in (1, 3)] + [(b, m, "folded") for b in (1, 3) for m in bench.MODES]
+    expected = [(3, "greedy", "greedy_only")] + [(3, m, "folded") for m in bench.MODES]
     assert sorted(seen) == sorted(expected)  # no folded_xla row: the kernel is off
     gamma = tiny_draft.cfg.block_size
     for r in rows:
@@ -40,17 +40,9 @@ def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft,
 def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(tiny_draft, monkeypatch):
     monkeypatch.setenv(RACE_ENV, "pallas")  # the Pallas interpreter on a CPU
     tuning = RaceTuning(blocks_per_program=2, warps=1, pick_warps=4)
-    rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("greedy", "sampling"), iters=1, tunings=(tuning,))
+    rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("sampling",), iters=1, tunings=(tuning,))
     by_path = {(r["mode"], r["path"]): r for r in rows}
-    assert set(by_path) == {
-        ("greedy", "greedy_only"),
-        ("greedy", "folded"),
-        ("greedy", "folded_xla"),
-        ("greedy", "folded_p2w1k4"),
-        ("sampling", "folded"),
-        ("sampling", "folded_xla"),
-        ("sampling", "folded_p2w1k4"),
-    }
+    assert set(by_path) == {("sampling", "folded"), ("sampling", "folded_xla"), ("sampling", "folded_p2w1k4")}
     assert by_path[("sampling", "folded")]["kernel"] and not by_path[("sampling", "folded_xla")]["kernel"]
     tuned = by_path[("sampling", "folded_p2w1k4")]
     assert tuned["kernel"] and tuned["tuning"] == "p2w1k4"

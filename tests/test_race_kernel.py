@@ -30,11 +30,11 @@ def _walk_inputs(batch, gamma, vocab, seed):
     return base, bias, temps, greedy, S.row_keys(k[2], batch)
 
 
-# one block of 512 and of 1024 tokens; 3 and 5 blocks per row, the last program clamped
-@pytest.mark.parametrize("batch, vocab", [(4, 512), (5, 1024), (3, 2500), (2, 4100)])
+# one block of 512 tokens; 3 and 5 blocks per row, the last program clamped
+@pytest.mark.parametrize("batch, vocab", [(4, 512), (3, 2500), (2, 4100)])
 def test_race_step_equals_sample_step(batch, vocab):
     """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
-    gamma = 3
+    gamma = 2
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab)
     corrected = None
     words = step_key_words(keys, gamma)  # [B, γ, 2]
@@ -48,9 +48,9 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
 
 
-# P blocks per program: the last program's loads and stores masked past V (3 blocks with P = 2;
+# P blocks per program: the last program's loads and stores masked past V (5 blocks with P = 4;
 # V a multiple of P·W; fewer blocks than P), tokens and corrected logits as with one block each
-@pytest.mark.parametrize("per_program, vocab", [(2, 2500), (2, 4096), (4, 4100), (8, 3073)])
+@pytest.mark.parametrize("per_program, vocab", [(2, 4096), (4, 4100), (8, 3073)])
 def test_blocks_per_program_changes_no_token(per_program, vocab):
     batch, gamma = 4, 2
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)
