@@ -105,8 +105,9 @@ def greedy_supported(rank: int, dtype: jnp.dtype) -> bool:
 
 GREEDY_AUTO_MAX_BATCH = 64
 """The largest batch ``auto`` runs the kernels for. At batch 128 the split round was not faster
-with them on the H200 (pipelined +0.03 to −0.09 ms, waited medians 0.14–0.19 ms slower in five
-interleaved A/Bs, README note 49), though the walk alone was; ``pallas`` forces them."""
+with them on the H200 (pipelined +0.03 to −0.09 ms, waited medians 0.14–0.19 ms slower in six
+interleaved A/Bs, README notes 49 and 51: 80 µs less device time, but a tail of slow calls while
+the caller holds the previous block), though the walk alone was; ``pallas`` forces them."""
 
 
 def use_greedy_kernel(rank: int, dtype: jnp.dtype, batch: int) -> tuple[bool, bool]:
