@@ -407,7 +407,7 @@ def walk_block(
         greedy_kernel, interpret = use_greedy_kernel(head.rank, head.dtype, batch)
         if greedy_kernel:  # two kernels per step, the [B, V] bias never in memory
             tokens = greedy_markov_walk(head, base, slot_hidden, bonus, interpret=interpret)
-            return tokens, jnp.zeros((*base.shape[:2], 0), base.dtype), greedy, temps
+            return tokens, returned_corrected(base, fold_sampling), greedy, temps  # [B, γ, 0]
     if kernel:  # one block kernel and one pick kernel per step, corrected logits written in place
         tokens, corrected = raced_markov_walk(
             head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret, tuning=race_tuning
