@@ -113,6 +113,9 @@ _EXPORTS = {
     # the greedy-only walk's kernels (note 49)
     "GREEDY_ENV": "dspark_jax.greedy_kernel",
     "GreedyTuning": "dspark_jax.greedy_kernel",
+    # the backbone pieces' GEMM library per batch (note 53)
+    "BACKBONE_GEMM_ENV": "dspark_jax.split_round",
+    "backbone_compile_options": "dspark_jax.split_round",
 }
 
 

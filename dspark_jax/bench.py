@@ -54,6 +54,12 @@ from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, 
 from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
+from dspark_jax.split_round import (
+    BACKBONE_GEMM_CHOICES,
+    BACKBONE_GEMM_ENV,
+    backbone_compile_options,
+    backbone_gemm_choice,
+)
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
@@ -983,6 +989,10 @@ def format_table(result: dict[str, Any]) -> str:
         on = meta.get("greedy_kernel") or []
         kernel = f"two Pallas kernels per step at batches {on}, XLA at the others" if on else "XLA"
         lines.append(f"greedy-only walk's step: {kernel} ({GREEDY_ENV}={meta['greedy']})")
+    if "backbone_gemm" in meta:
+        on = meta.get("backbone_cublas") or []
+        gemms = f"cuBLAS at batches {on}, XLA's choice at the others" if on else "XLA's choice"
+        lines.append(f"split round's backbone GEMMs: {gemms} ({BACKBONE_GEMM_ENV}={meta['backbone_gemm']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
@@ -1167,6 +1177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"the greedy-only walk's step (sets {GREEDY_ENV}; default: the environment's, else auto)",
     )
+    parser.add_argument(
+        "--gemm",
+        choices=BACKBONE_GEMM_CHOICES,
+        default=None,
+        help=f"the split round's backbone GEMMs (sets {BACKBONE_GEMM_ENV}; default: the environment's, else auto)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1182,6 +1198,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ[RACE_ENV] = args.race
     if args.greedy:
         os.environ[GREEDY_ENV] = args.greedy
+    if args.gemm:
+        os.environ[BACKBONE_GEMM_ENV] = args.gemm
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters
@@ -1259,6 +1277,8 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
         greedy=greedy_choice(),
         greedy_kernel=[b for b in batches if use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype, b)[0]],
+        backbone_gemm=backbone_gemm_choice(),
+        backbone_cublas=[b for b in batches if backbone_compile_options(b)],
     )
     result["ceilings"] = measure_ceilings(shapes.ceiling_bytes, shapes.matmul_size, iters=max(5, iters // 5))
     _save(args.out, result)

@@ -16,15 +16,15 @@ import jax
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 
 
-def env_choice(variable: str) -> str:
+def env_choice(variable: str, choices: tuple[str, ...] = KERNEL_CHOICES) -> str:
     """The value of environment variable ``variable`` (``auto`` when unset or empty; any case).
 
     Raises:
-      ValueError: the variable holds something else.
+      ValueError: the variable holds something not in ``choices``.
     """
     value = os.environ.get(variable, "auto").strip().lower() or "auto"
-    if value not in KERNEL_CHOICES:
-        raise ValueError(f"{variable}={value!r} is invalid: must be one of {KERNEL_CHOICES}")
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r} is invalid: must be one of {choices}")
     return value
 
 

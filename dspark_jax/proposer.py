@@ -72,7 +72,7 @@ from dspark_jax.memory_gate import (
 from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
 from dspark_jax.race_kernel import use_race_kernel
 from dspark_jax.sampling import TOP_K_ALL
-from dspark_jax.split_round import Alternating, SplitRound
+from dspark_jax.split_round import Alternating, SplitRound, backbone_compile_options
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -229,12 +229,13 @@ class _Compiles:
         """Names submitted and not installed yet."""
         return self._pending.keys()
 
-    def submit(self, jobs: Iterable[tuple[tuple[Any, ...], jax.stages.Lowered]]) -> None:
-        for name, lowered in jobs:
+    def submit(self, jobs: Iterable[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]) -> None:
+        """Compiles each job (``(name, compile)``: ``compile()`` returns the program)."""
+        for name, compile_program in jobs:
             if self._pool is None:
-                self._install(name, lowered.compile())
+                self._install(name, compile_program())
             else:
-                self._pending[name] = self._pool.submit(lowered.compile)
+                self._pending[name] = self._pool.submit(compile_program)
 
     def finish(self, names: Iterable[tuple[Any, ...]] | None = None) -> None:
         """Installs ``names`` (default: every pending program) once compiled; names not
@@ -427,10 +428,11 @@ class Proposer:
 
     def _jobs(
         self, bucket: int, sampling: bool, skip: Container[tuple[Any, ...]] = ()
-    ) -> Iterator[tuple[tuple[Any, ...], jax.stages.Lowered]]:
-        """The programs a (bucket, mode) round needs, has not and ``skip`` does not hold,
-        each lowered only when the iterator reaches it (so a compile pool can compile one
-        while the next is lowered).
+    ) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
+        """The programs a (bucket, mode) round needs, has not and ``skip`` does not hold, as
+        ``(name, compile)``, each lowered only when the iterator reaches it (so a compile pool
+        can compile one while the next is lowered); the backbone pieces compile with
+        :func:`~dspark_jax.split_round.backbone_compile_options`.
 
         A round is the backbone pieces of :class:`~dspark_jax.split_round.SplitRound`
         (shared by both modes) and the mode's head. Programs found in the executable store
@@ -455,7 +457,8 @@ class Proposer:
                 args = (hidden, self._packed_spec(bucket), self._key_spec)
             fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
             self._sub_leaves[_leaves_name(name)] = sub
-            yield name, jax.jit(fn).lower(sub, *args)
+            options = backbone_compile_options(bucket) if name[0] == "piece" else None
+            yield name, functools.partial(jax.jit(fn).lower(sub, *args).compile, compiler_options=options)
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
         """Compiles (or loads) what the (bucket, mode) round still lacks."""
@@ -478,7 +481,9 @@ class Proposer:
         )
         return jax.jit(functools.partial(_unpad, rows)).lower(block)
 
-    def _slicer_jobs(self, rows: int, sampling: bool) -> Iterator[tuple[tuple[Any, ...], jax.stages.Lowered]]:
+    def _slicer_jobs(
+        self, rows: int, sampling: bool
+    ) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
         """The slicer to ``rows`` rows, lowered when reached, unless it is compiled or in the store."""
         if (rows, sampling) in self._slicers:
             return
@@ -487,7 +492,7 @@ class Proposer:
         if loaded is not None:
             self._slicers[rows, sampling] = loaded
             return
-        yield name, self._lower_slicer(rows, sampling)
+        yield name, self._lower_slicer(rows, sampling).compile
 
     def _compile_slicer(self, rows: int, sampling: bool) -> jax.stages.Compiled:
         with _Compiles(self._install, 1) as compiles:

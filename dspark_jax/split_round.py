@@ -24,6 +24,10 @@ Between pieces only the ``[B, R, H]`` residual stream passes, on the device; not
 returns to the host. Each piece is compiled once per batch shape, like the one-program
 round, and the backbone pieces are shared by the greedy-only and the sampling round.
 
+On GPUs the backbone pieces of some batches are compiled with cuBLAS GEMMs instead of XLA's
+Triton ones (:func:`backbone_compile_options`, :data:`BACKBONE_GEMM_ENV`): faster there in the
+round, though XLA's autotuner, which times each GEMM alone, picks Triton (README note 53).
+
 The pieces are the pure functions :func:`~dspark_jax.proposal.backbone_stage` and
 :func:`~dspark_jax.proposal.head_stage`; :func:`~dspark_jax.proposal.propose_with` chains
 the same two in one program, so both forms compute the same tokens (tested; with bf16 the
@@ -43,7 +47,40 @@ from jax.experimental.serialize_executable import deserialize_and_load, serializ
 
 from dspark_jax.cache import ContextCache
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.kernel_choice import env_choice
 from dspark_jax.proposal import DraftBlock, backbone_stage, check_shapes, head_stage
+
+BACKBONE_GEMM_ENV = "DSPARK_JAX_BACKBONE_GEMM"
+"""Environment variable choosing the backbone pieces' GEMMs: ``auto`` (default: cuBLAS on GPU
+backends at :data:`CUBLAS_BATCHES`, XLA's choice at the others), ``xla`` (XLA's choice at every
+batch: its autotuned Triton GEMMs, cuBLAS where its autotuner prefers it) or ``cublas`` (XLA's
+Triton GEMMs off at every batch and backend; off GPUs the option changes nothing)."""
+
+BACKBONE_GEMM_CHOICES = ("auto", "xla", "cublas")
+
+CUBLAS_BATCHES = frozenset({8, 16, 64})
+"""The batches whose backbone pieces ``auto`` compiles with cuBLAS GEMMs. Measured on the H200
+with the 8B draft (README note 53), split greedy round, cuBLAS against XLA's choice: device time
+−0.11, −0.09 and −0.12 ms at batches 8, 16 and 64; slower at 1, 2, 4 (+0.05 to +0.09 ms) and 32
+(+0.03 to +0.04); at 128 no faster per round. Other batch sizes keep XLA's choice."""
+
+
+def backbone_gemm_choice() -> str:
+    """The value of :data:`BACKBONE_GEMM_ENV` (``auto`` when unset).
+
+    Raises:
+      ValueError: the variable holds something else.
+    """
+    return env_choice(BACKBONE_GEMM_ENV, BACKBONE_GEMM_CHOICES)
+
+
+def backbone_compile_options(batch: int) -> dict[str, Any] | None:
+    """XLA compile options for the backbone pieces of a ``batch``-row round: Triton GEMMs off
+    (``xla_gpu_enable_triton_gemm=False``, so XLA calls cuBLAS) where
+    :func:`backbone_gemm_choice` asks for cuBLAS at this batch, else None (XLA's defaults)."""
+    choice = backbone_gemm_choice()
+    cublas = choice == "cublas" or (choice == "auto" and jax.default_backend() == "gpu" and batch in CUBLAS_BATCHES)
+    return {"xla_gpu_enable_triton_gemm": False} if cublas else None
 
 
 def twin_program(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
@@ -187,7 +224,7 @@ class SplitRound:
         # Stand-ins for the leaves a piece does not read: tracing fails loudly if it does.
         self._placeholders = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.leaves]
         self._kept: dict[Any, tuple[int, ...]] = {}  # piece name -> indices of the leaves it reads
-        self._backbone = jax.jit(self.backbone, static_argnames=("start", "stop"))
+        self._backbones: dict[Any, Any] = {}  # compile options -> the jitted backbone
         self._head = jax.jit(self.head, static_argnames="fold_sampling")
 
     def _draft(self, leaves: list[jax.Array], layers: range = range(0)) -> DSparkDraft:
@@ -294,9 +331,10 @@ class SplitRound:
         """
         if not self.twin_programs:
             check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
+            backbone = self._jitted_backbone(backbone_compile_options(jnp.shape(bonus)[0]))
             x = None
             for start, stop in self.ranges:
-                x = self._backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
+                x = backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
             return self._head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
         # compiled programs take arrays of exactly the signature they were compiled for
         args = (bonus, prefix_lens, slots, temperatures, top_k, key)
@@ -314,16 +352,24 @@ class SplitRound:
         head, sub = head
         return head(sub, x, bonus, temperatures, top_k, key)
 
+    def _jitted_backbone(self, options: dict[str, Any] | None) -> Any:
+        """:meth:`backbone` under ``jax.jit`` with these compile options (one per options)."""
+        key = None if options is None else tuple(sorted(options.items()))
+        if key not in self._backbones:
+            self._backbones[key] = jax.jit(self.backbone, static_argnames=("start", "stop"), compiler_options=options)
+        return self._backbones[key]
+
     def _compile_and_run(self, sig, cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, slots):
         """First call with a signature (and mode): compiles what is missing, runs it."""
         pieces, x = self._pieces.get(sig), None
         compiled = []
+        options = backbone_compile_options(bonus.shape[0])
         for i, (start, stop) in enumerate(self.ranges):
             if pieces is None:
                 fn = functools.partial(_backbone_fn, self, start, stop)
                 sub_fn, sub = self.pruned(("piece", start, stop), fn, x, cache, bonus, prefix_lens, slots)
                 lowered = jax.jit(sub_fn).lower(sub, x, cache, bonus, prefix_lens, slots)
-                compiled.append((Alternating(lowered.compile()), sub))
+                compiled.append((Alternating(lowered.compile(compiler_options=options)), sub))
             piece, sub = (pieces or compiled)[i]
             x = piece(sub, x, cache, bonus, prefix_lens, slots)
         if pieces is None:

@@ -16,6 +16,7 @@ from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
 from dspark_jax.race_kernel import use_race_kernel
 from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.split_round import BACKBONE_GEMM_ENV
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +282,17 @@ def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(wor
     )
     installed, install = [], proposer._install
     proposer._install = lambda name, compiled: installed.append(name) or install(name, compiled)
-    submitted, submit = [], proposer_module._Compiles.submit
+    submitted, options, submit = [], {}, proposer_module._Compiles.submit
+
+    def record(name, job):
+        submitted.append(name)
+        options[name] = getattr(job, "keywords", {}).get("compiler_options")
+        return name, job
+
     monkeypatch.setattr(
-        proposer_module._Compiles,
-        "submit",
-        lambda self, jobs: submit(self, ((submitted.append(name) or (name, lowered)) for name, lowered in jobs)),
+        proposer_module._Compiles, "submit", lambda self, jobs: submit(self, (record(*j) for j in jobs))
     )
+    monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")  # on the CPU the option changes nothing
     with CompileCounter() as counter:
         proposer.precompile(workers=workers)
     ranges = proposer._split.ranges
@@ -297,6 +303,9 @@ def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(wor
     assert sorted(installed, key=repr) == sorted(want, key=repr)  # in parallel, the gate's first
     assert counter.count == len(want)
     assert proposer.gate.compiled_bytes is not None
+    # the backbone pieces compile with cuBLAS GEMMs asked for, the heads and slicers with XLA's defaults
+    assert {name for name, o in options.items() if o} == {name for name in want if name[0] == "piece"}
+    assert all(o in (None, {"xla_gpu_enable_triton_gemm": False}) for o in options.values())
 
 
 def test_precompile_error_while_lowering_propagates_and_installs_nothing_more(monkeypatch):

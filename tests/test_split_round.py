@@ -9,13 +9,21 @@ import pytest
 from draft_testing import random_draft, tiny_config
 from flax import nnx
 
-from dspark_jax import bench
+from dspark_jax import bench, split_round
 from dspark_jax.attention_kernel import ATTENTION_ENV
 from dspark_jax.presets import load_preset
 from dspark_jax.proposal import backbone_stage, propose
 from dspark_jax.proposer import CompileCounter
 from dspark_jax.sampling import TOP_K_ALL
-from dspark_jax.split_round import Alternating, SplitRound, layer_ranges, twin_program
+from dspark_jax.split_round import (
+    BACKBONE_GEMM_ENV,
+    CUBLAS_BATCHES,
+    Alternating,
+    SplitRound,
+    backbone_compile_options,
+    layer_ranges,
+    twin_program,
+)
 
 CAPACITY = 16
 
@@ -54,8 +62,10 @@ def test_layer_ranges_cover_every_layer_once():
 
 @pytest.mark.parametrize("front_layers", [1, 2, 3])
 @pytest.mark.parametrize("fold_sampling", [True, False])
-def test_split_round_equals_one_program_round(three_layers, front_layers, fold_sampling):
+def test_split_round_equals_one_program_round(three_layers, front_layers, fold_sampling, monkeypatch):
     draft, cache, inputs = three_layers
+    if front_layers == 2:  # the plain-jit pieces compiled with the cuBLAS option (no effect on the CPU)
+        monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")
     key = jax.random.key(11)
     graphdef, state = nnx.split(draft)
     whole = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
@@ -66,6 +76,7 @@ def test_split_round_equals_one_program_round(three_layers, front_layers, fold_s
     _assert_same_block(got, want)
     jax.block_until_ready(split(cache, **inputs, key=jax.random.key(12), fold_sampling=fold_sampling))
     _assert_same_block(got, want)  # a later round never writes into a block the caller holds
+    assert list(split._backbones) == [(("xla_gpu_enable_triton_gemm", False),) if front_layers == 2 else None]
     if fold_sampling:  # the sampling rows really sampled from the folded noise
         assert not np.asarray(got.greedy_mask)[1:3].any()
 
@@ -139,10 +150,38 @@ def test_twin_programs_match_propose_and_compile_once(three_layers):
         _assert_same_block(block, want)  # also: no later round wrote into a held block
 
 
-def test_pieces_take_only_the_leaves_they_read(three_layers):
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def test_backbone_gemm_choice_per_batch_and_backend(monkeypatch):
+    monkeypatch.delenv(BACKBONE_GEMM_ENV, raising=False)
+    assert CUBLAS_BATCHES and all(backbone_compile_options(b) is None for b in (1, 8, 16, 64, 128))  # CPU
+    monkeypatch.setattr(split_round.jax, "default_backend", lambda: "gpu")
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 12):
+        assert backbone_compile_options(batch) == (CUBLAS if batch in CUBLAS_BATCHES else None), batch
+    monkeypatch.setenv(BACKBONE_GEMM_ENV, "XLA")
+    assert all(backbone_compile_options(b) is None for b in CUBLAS_BATCHES)
+    monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")
+    assert backbone_compile_options(1) == CUBLAS
+    monkeypatch.setenv(BACKBONE_GEMM_ENV, "triton")
+    with pytest.raises(ValueError, match=r"DSPARK_JAX_BACKBONE_GEMM='triton' is invalid: must be one of"):
+        backbone_compile_options(8)
+
+
+def test_pieces_take_only_the_leaves_they_read(three_layers, monkeypatch):
     draft, cache, inputs = three_layers
     split = SplitRound(draft, twin_programs=True, front_layers=1)
+    monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")  # on the CPU the option changes nothing
+    asked, compile_program = [], jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered,
+        "compile",
+        lambda self, compiler_options=None, **kw: (
+            asked.append(compiler_options) or compile_program(self, compiler_options, **kw)
+        ),
+    )
     jax.block_until_ready(split(cache, **inputs, key=jax.random.key(0)))
+    assert asked == [CUBLAS, CUBLAS, None]  # front, rest, then the head with XLA's defaults
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(draft))[0]]
     paths += [f"['layers'][{i}]['fused_qkv']" for i in range(len(draft.layers))]  # after the state's leaves
     assert len(paths) == len(split.leaves)
