@@ -32,7 +32,9 @@ The pieces are the pure functions :func:`~dspark_jax.proposal.backbone_stage` an
 :func:`~dspark_jax.proposal.head_stage`; :func:`~dspark_jax.proposal.propose_with` chains
 the same two in one program, so both forms compute the same tokens (tested; with bf16 the
 logits may differ by bf16 rounding, as XLA may keep a layer's output in float32 inside one
-program's fusion while between pieces it is stored in the compute dtype).
+program's fusion while between pieces it is stored in the compute dtype; where the backbone
+runs cuBLAS GEMMs and the one program Triton ones, the sums' order differs too, and a near-tie
+between two tokens may then go either way).
 """
 
 from __future__ import annotations
