@@ -62,9 +62,9 @@ BACKBONE_GEMM_CHOICES = ("auto", "xla", "cublas")
 
 CUBLAS_BATCHES = frozenset({8, 16, 64})
 """The batches whose backbone pieces ``auto`` compiles with cuBLAS GEMMs. Measured on the H200
-with the 8B draft (README note 53), split greedy round, cuBLAS against XLA's choice: device time
-−0.11, −0.09 and −0.12 ms at batches 8, 16 and 64; slower at 1, 2, 4 (+0.05 to +0.09 ms) and 32
-(+0.03 to +0.04); at 128 no faster per round. Other batch sizes keep XLA's choice."""
+with the 8B draft (README note 53), split greedy round, cuBLAS against XLA's choice, pipelined:
+−0.11, −0.09 and −0.09 to −0.12 ms per round at batches 8, 16 and 64; slower at 1, 2, 4 (+0.05
+to +0.09 ms) and 32 (+0.03 to +0.04); at 128 no faster. Other batch sizes keep XLA's choice."""
 
 
 def backbone_gemm_choice() -> str:
