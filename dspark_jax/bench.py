@@ -1133,6 +1133,15 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+# flag, choices, environment variable it sets, what it chooses
+_ENV_FLAGS = (
+    ("attention", ATTENTION_CHOICES, ATTENTION_ENV, "the draft's context attention"),
+    ("race", RACE_CHOICES, RACE_ENV, "the folded walk's sampling step"),
+    ("greedy", GREEDY_CHOICES, GREEDY_ENV, "the greedy-only walk's step"),
+    ("gemm", BACKBONE_GEMM_CHOICES, BACKBONE_GEMM_ENV, "the split round's backbone GEMMs"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Registers the ``dspark-jax bench`` flags."""
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="8b", help="model shapes (default 8b)")
@@ -1159,30 +1168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
-    parser.add_argument(
-        "--attention",
-        choices=ATTENTION_CHOICES,
-        default=None,
-        help=f"the draft's context attention (sets {ATTENTION_ENV}; default: the environment's, else auto)",
-    )
-    parser.add_argument(
-        "--race",
-        choices=RACE_CHOICES,
-        default=None,
-        help=f"the folded walk's sampling step (sets {RACE_ENV}; default: the environment's, else auto)",
-    )
-    parser.add_argument(
-        "--greedy",
-        choices=GREEDY_CHOICES,
-        default=None,
-        help=f"the greedy-only walk's step (sets {GREEDY_ENV}; default: the environment's, else auto)",
-    )
-    parser.add_argument(
-        "--gemm",
-        choices=BACKBONE_GEMM_CHOICES,
-        default=None,
-        help=f"the split round's backbone GEMMs (sets {BACKBONE_GEMM_ENV}; default: the environment's, else auto)",
-    )
+    for flag, choices, variable, what in _ENV_FLAGS:
+        parser.add_argument(
+            f"--{flag}",
+            choices=choices,
+            default=None,
+            help=f"{what} (sets {variable}; default: the environment's, else auto)",
+        )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1192,14 +1184,9 @@ def run(args: argparse.Namespace) -> int:
     """Runs the benchmark described by parsed ``args``; prints the table, writes JSON."""
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-    if args.attention:
-        os.environ[ATTENTION_ENV] = args.attention  # the compile subprocesses inherit it
-    if args.race:
-        os.environ[RACE_ENV] = args.race
-    if args.greedy:
-        os.environ[GREEDY_ENV] = args.greedy
-    if args.gemm:
-        os.environ[BACKBONE_GEMM_ENV] = args.gemm
+    for flag, _, variable, _ in _ENV_FLAGS:
+        if getattr(args, flag):
+            os.environ[variable] = getattr(args, flag)  # the compile subprocesses inherit it
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
     iters = args.iters or shapes.iters

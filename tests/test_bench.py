@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import types
 
 import jax
@@ -18,8 +19,11 @@ _ON_GPU = jax.default_backend() == "gpu"
 def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
-    argv += ["--no-torch", "--no-compile", "--e2e", "--out", str(out)]
-    assert bench.main(argv) == 0
+    argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--out", str(out)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(bench.BACKBONE_GEMM_ENV, raising=False)  # restored afterwards: the run sets it
+        assert bench.main(argv) == 0
+        assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
     return json.loads(out.read_text())
 
 
@@ -66,6 +70,17 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
     table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
     assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table
+    assert "split round's backbone GEMMs: XLA's choice (DSPARK_JAX_BACKBONE_GEMM=xla)" in bench.format_table(
+        tiny_result
+    )
+    table = bench.format_table(
+        {**tiny_result, "meta": {**tiny_result["meta"], "backbone_gemm": "auto", "backbone_cublas": [8]}}
+    )
+    assert (
+        "split round's backbone GEMMs: cuBLAS at batches [8], XLA's choice at the others "
+        "(DSPARK_JAX_BACKBONE_GEMM=auto)" in table
+    )
+    table = bench.format_table(tiny_result)
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 
