@@ -31,12 +31,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 from dspark_jax.markov import MarkovHead, VanillaMarkovHead
+from dspark_jax.sampling import NO_ID
 
 GREEDY_ENV = "DSPARK_JAX_GREEDY"
 """Environment variable choosing the greedy-only walk's step: ``auto`` (default: the kernel
@@ -45,7 +45,6 @@ the Pallas interpreter off GPUs)."""
 
 GREEDY_CHOICES = KERNEL_CHOICES
 
-_NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _WARP_COUNTS = (1, 2, 4, 8, 16)
 _MAX_ROWS = 128  # rows per program: a [128, T] float32 accumulator is the most that fits
 
@@ -155,7 +154,7 @@ def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, 
     x = jnp.where(valid & ~jnp.isnan(x), x, -jnp.inf)
     top = x.max(axis=1)  # [rows]
     top_ref[...] = top[:, None]
-    idx_ref[...] = jnp.where(x == top[:, None], cols[None, :], _NO_TOKEN).min(axis=1)[:, None]
+    idx_ref[...] = jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)[:, None]
 
 
 def _pick_kernel(top_ref, idx_ref, w1_ref, token_ref, e_ref, *, batch, span):
@@ -168,8 +167,8 @@ def _pick_kernel(top_ref, idx_ref, w1_ref, token_ref, e_ref, *, batch, span):
     column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
     real = column < tiles
     top = plgpu.load(top_ref.at[b, pl.ds(0, span)], mask=real, other=-jnp.inf)
-    idx = plgpu.load(idx_ref.at[b, pl.ds(0, span)], mask=real, other=_NO_TOKEN)
-    token = jnp.where(real & (top == top.max()), idx, _NO_TOKEN).min()  # the tiles are in id order
+    idx = plgpu.load(idx_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID)
+    token = jnp.where(real & (top == top.max()), idx, NO_ID).min()
     token_ref[...] = jnp.full((1, 1), token, jnp.int32)
     row = w1_ref[jnp.minimum(token, w1_ref.shape[0] - 1), :]  # [r]
     e_ref[...] = jnp.where(b < batch, row, jnp.zeros_like(row))[None, :]

@@ -49,6 +49,7 @@ from dspark_jax.attention_kernel import _whole
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 from dspark_jax.sampling import (
     BLOCK_NOISE,
+    NO_ID,
     RACE_BLOCK,
     TOKEN_NOISE,
     _key_words,
@@ -68,7 +69,6 @@ supported, the Pallas interpreter off GPUs)."""
 
 RACE_CHOICES = KERNEL_CHOICES
 
-_NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _WARP_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
@@ -250,7 +250,7 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
         x = jnp.where(owned & ~jnp.isnan(summed), summed, -jnp.inf)
         top = x.max(-1)
         best = top if per_program == 1 else top[:, None]
-        return top, jnp.where(owned & (x == best), index, _NO_TOKEN).min(-1)
+        return top, jnp.where(owned & (x == best), index, NO_ID).min(-1)
 
     def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
         x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
@@ -283,11 +283,11 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, b
     best = scores.max()
 
     def greedy():  # each block's best float32 logit and lowest id holding it
-        return jnp.where(real & (scores == best), token_ref[b, :], _NO_TOKEN).min()
+        return jnp.where(real & (scores == best), token_ref[b, :], NO_ID).min()
 
     def sampled():
         k0, k1 = words_ref[b, step, 0], words_ref[b, step, 1]
-        block = jnp.where(scores == best, column, _NO_TOKEN).min()
+        block = jnp.where(scores == best, column, NO_ID).min()
         first = block * width
         start = jnp.minimum(first, vocab - width)
         at = pl.ds(start, width)
@@ -296,7 +296,7 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, b
         ids = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
         raced = _divide(kept, t_ref[b], interpret) - _noise(k0, k1, ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
         raced = jnp.where((ids >= first) & ~jnp.isnan(raced), raced, -jnp.inf)
-        return jnp.where(raced == raced.max(), ids, _NO_TOKEN).min()
+        return jnp.where(raced == raced.max(), ids, NO_ID).min()
 
     out_ref[...] = jnp.full((1, 1), jax.lax.cond(greedy_ref[b] != 0, greedy, sampled), jnp.int32)
 

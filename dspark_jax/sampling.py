@@ -316,7 +316,8 @@ def _max_then_lowest_id(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.
     return jnp.where(take_a, a_score, b_score), jnp.where(take_a, a_id, b_id)
 
 
-_NO_ID = np.int32(np.iinfo(np.int32).max)
+NO_ID = np.int32(np.iinfo(np.int32).max)
+"""An id larger than every token id: what a masked or empty place offers to a lowest-id minimum."""
 
 
 def argmax_lowest(scores: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -329,7 +330,7 @@ def argmax_lowest(scores: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Arr
     Returns:
       float32 and int32 arrays ``[...]``.
     """
-    init = (np.float32(-np.inf), _NO_ID)
+    init = (np.float32(-np.inf), NO_ID)
     return jax.lax.reduce((scores, ids), init, _max_then_lowest_id, (scores.ndim - 1,))
 
 
