@@ -95,10 +95,16 @@ def _block_c(capacity: int) -> int:
 
 
 CONTEXT_KERNEL_PARAMS = (4, 3)
-"""``(warps, pipeline stages)`` of the kernels that walk the context (the merge kernel keeps
-4 and 2). Three stages keep a third 64-key chunk in flight: on the H200 a layer's walk took
-22.0 / 39.3 / 143.2 µs at batches 8 / 32 / 128 against 25.6 / 44.1 / 154.9 with two
-(README note 55)."""
+"""``(warps, pipeline stages)`` of the kernels that walk the context. Three stages keep a
+third 64-key chunk in flight: on the H200 a layer's walk took 22.0 / 39.3 / 143.2 µs at
+batches 8 / 32 / 128 against 25.6 / 44.1 / 154.9 with two (README note 55)."""
+
+MERGE_KERNEL_PARAMS = (1, 1)
+"""``(warps, pipeline stages)`` of the kernel that merges the key ranges (split-K batches)
+when a row's heads are too few for tensor-core tiles (``Gp < 16``, every preset): one program
+per query row holds a ``[Gp, D]`` tile, too little for more warps (README note 57). With 16
+or more heads per KV head the merge multiplies on the tensor cores and keeps 4 warps and 2
+stages (not measured with fewer)."""
 
 TARGET_PROGRAMS = 256
 """Programs a layer's kernel aims for (about two per SM of an H100/H200): when ``B · KVH``
@@ -479,6 +485,6 @@ def attend_block(
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_merge_attention",
-            **triton_params(4, 2, interpret),
+            **triton_params(*(MERGE_KERNEL_PARAMS if group < 16 else (4, 2)), interpret),
         )(q5, o, m, l, k, v)
     return out.reshape(b, s, nh * d)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from dspark_jax.attention_kernel import CONTEXT_KERNEL_PARAMS, attend_block
+from dspark_jax.attention_kernel import CONTEXT_KERNEL_PARAMS, MERGE_KERNEL_PARAMS, attend_block
 from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles
 from dspark_jax.kernel_choice import triton_params
 from dspark_jax.qk_norm_kernel import qk_norm_rope
@@ -69,9 +69,10 @@ def test_qk_norm_rope_lowers_for_cuda(heads, kv_heads):
     assert _launch_settings(cuda_module(fn, *args, angles, angles)) == [(4, 1)]
 
 
-@pytest.mark.parametrize("splits, kernels", [(1, 1), (2, 2)])  # one kernel, or key ranges + merge
-def test_attend_block_lowers_for_cuda(splits, kernels):
-    b, s, nh, kvh, d, layers, slots, capacity = 2, 8, 4, 2, 64, 2, 3, 128
+# one kernel, or key ranges + merge; 16 heads per KV head: the merge on the tensor cores
+@pytest.mark.parametrize("splits, kernels, nh", [(1, 1, 4), (2, 2, 4), (2, 2, 32)])
+def test_attend_block_lowers_for_cuda(splits, kernels, nh):
+    b, s, kvh, d, layers, slots, capacity = 2, 8, 2, 64, 2, 3, 128
 
     def fn(q, k, v, cache_k, cache_v, lens, slot):
         kw = dict(cache_k=cache_k, cache_v=cache_v, prefix_lens=lens, layer=1, slots=slot, splits=splits)
@@ -82,7 +83,8 @@ def test_attend_block_lowers_for_cuda(splits, kernels):
     ints = S((b,), jnp.int32)
     args = (S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints)
     assert triton_calls_for_cuda(fn, *args) == kernels
-    merge = [(4, 2)] if kernels == 2 else []  # the merge kernel keeps its own layout
+    merge_layout = MERGE_KERNEL_PARAMS if nh // kvh < 16 else (4, 2)  # the merge kernel's own layout
+    merge = [merge_layout] if kernels == 2 else []
     assert _launch_settings(cuda_module(fn, *args)) == [CONTEXT_KERNEL_PARAMS, *merge]
 
 
