@@ -101,10 +101,18 @@ batches 8 / 32 / 128 against 25.6 / 44.1 / 154.9 with two (README note 55)."""
 
 MERGE_KERNEL_PARAMS = (1, 1)
 """``(warps, pipeline stages)`` of the kernel that merges the key ranges (split-K batches)
-when a row's heads are too few for tensor-core tiles (``Gp < 16``, every preset): one program
-per query row holds a ``[Gp, D]`` tile, too little for more warps (README note 57). With 16
-or more heads per KV head the merge multiplies on the tensor cores and keeps 4 warps and 2
-stages (not measured with fewer)."""
+when a row's heads are too few for tensor-core tiles (every preset): one program per query
+row holds a ``[Gp, D]`` tile, too little for more warps (README note 57)."""
+
+MERGE_TILE_KERNEL_PARAMS = (4, 2)
+"""The merge kernel's ``(warps, pipeline stages)`` when a row's ``Gp >= 16`` heads take
+tensor-core tiles (not measured with fewer warps)."""
+
+
+def merge_kernel_params(group: int) -> tuple[int, int]:
+    """The merge kernel's ``(warps, pipeline stages)`` for ``group`` (``Gp``) heads per row."""
+    return MERGE_KERNEL_PARAMS if group < 16 else MERGE_TILE_KERNEL_PARAMS
+
 
 TARGET_PROGRAMS = 256
 """Programs a layer's kernel aims for (about two per SM of an H100/H200): when ``B · KVH``
@@ -485,6 +493,6 @@ def attend_block(
             out_shape=out_shape,
             interpret=interpret,
             name="dspark_merge_attention",
-            **triton_params(*(MERGE_KERNEL_PARAMS if group < 16 else (4, 2)), interpret),
+            **triton_params(*merge_kernel_params(group), interpret),
         )(q5, o, m, l, k, v)
     return out.reshape(b, s, nh * d)

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from dspark_jax.attention_kernel import CONTEXT_KERNEL_PARAMS, MERGE_KERNEL_PARAMS, attend_block
+from dspark_jax.attention_kernel import (
+    CONTEXT_KERNEL_PARAMS,
+    MERGE_KERNEL_PARAMS,
+    MERGE_TILE_KERNEL_PARAMS,
+    attend_block,
+)
 from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles
 from dspark_jax.kernel_choice import triton_params
 from dspark_jax.qk_norm_kernel import qk_norm_rope
@@ -83,7 +88,7 @@ def test_attend_block_lowers_for_cuda(splits, kernels, nh):
     ints = S((b,), jnp.int32)
     args = (S((b, s, nh, d), jnp.bfloat16), own, own, cache, cache, ints, ints)
     assert triton_calls_for_cuda(fn, *args) == kernels
-    merge_layout = MERGE_KERNEL_PARAMS if nh // kvh < 16 else (4, 2)  # the merge kernel's own layout
+    merge_layout = MERGE_KERNEL_PARAMS if nh // kvh < 16 else MERGE_TILE_KERNEL_PARAMS  # the merge's own layout
     merge = [merge_layout] if kernels == 2 else []
     assert _launch_settings(cuda_module(fn, *args)) == [CONTEXT_KERNEL_PARAMS, *merge]
 
