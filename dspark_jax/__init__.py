@@ -41,6 +41,7 @@ _EXPORTS = {
     "fill_context": "dspark_jax.cache",
     # sampling and proposal (issue 3)
     "TOP_K_ALL": "dspark_jax.sampling",
+    "TOP_K_MAX": "dspark_jax.sampling",
     "MIN_TEMPERATURE": "dspark_jax.sampling",
     "sample_step": "dspark_jax.sampling",
     "greedy_step": "dspark_jax.sampling",

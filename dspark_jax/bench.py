@@ -670,7 +670,7 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
     ``precompile()``, one greedy and one all-sampling call at ``max_batch`` are run;
     the device's peak memory after each is compared with the gate's prediction.
     """
-    from dspark_jax.proposer import Proposer
+    from dspark_jax.proposer import Proposer, _host_inputs
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -723,9 +723,8 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
         for _ in range(MEMORY_REPEATS):
             for mode in ("greedy", "sampling"):
                 temps, top_k = (np.asarray(a) for a in sampling_params(max_batch, mode))
-                packed, packed_key = proposer._pack_inputs(
-                    max_batch, host["bonus"], host["prefix_lens"], temps, top_k, key, np.arange(max_batch)
-                )
+                _, ints, temps = _host_inputs(host["bonus"], host["prefix_lens"], temps, top_k, None)
+                packed, packed_key = proposer._pack_inputs(max_batch, ints, temps, key)
                 run = functools.partial(measured, mode)
                 proposer._folded_round(max_batch, inp["cache"], packed, packed_key, mode == "sampling", run=run)
         out["memory"] |= {f"{mode}_program_peaks_bytes": own for mode, own in peaks.items()}

@@ -37,6 +37,7 @@ from dspark_jax.markov import MarkovHead, markov_walk
 from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kernel
 from dspark_jax.sampling import (
     TOP_K_ALL,
+    TOP_K_MAX,
     clamp_temperatures,
     greedy_rows,
     greedy_step,
@@ -152,8 +153,8 @@ def validate_proposal_inputs(
       cache: the context cache.
       bonus: ``[B]`` ints in ``[0, V)``.
       prefix_lens: ``[B]`` ints in ``[0, capacity − γ]``.
-      temperatures: ``[B]`` floats, finite and ``>= 0`` (0 = greedy).
-      top_k: ``[B]`` ints ``>= 0`` (``<= 1`` = greedy, ``TOP_K_ALL`` = no top-k).
+      temperatures: ``[B]`` floats, ``>= 0`` (0 = greedy) and finite in float32.
+      top_k: ``[B]`` ints in ``[0, TOP_K_MAX]`` (``<= 1`` = greedy, ``TOP_K_ALL`` = no top-k).
       key: one key or per-row keys.
       input_embeds: optional ``[B, R, H]``.
       slots: optional ``[B]`` cache slot of each row, in ``[0, cache.batch)``; when
@@ -194,14 +195,24 @@ def validate_proposal_inputs(
         room,
         f"in [0, capacity - gamma] = [0, {room}] so the block's {cfg.gamma} positions fit in the cache",
     )
-    _check_range("top_k", ints["top_k"], 0, None, f">= 0 (0 or 1 = greedy, TOP_K_ALL={TOP_K_ALL} = no top-k)")
+    _check_range(
+        "top_k",
+        ints["top_k"],
+        0,
+        TOP_K_MAX,
+        f"in [0, {TOP_K_MAX}] (0 or 1 = greedy, TOP_K_ALL={TOP_K_ALL} = no top-k; the round reads int32)",
+    )
     temps = np.asarray(temperatures)
     if not (np.issubdtype(temps.dtype, np.floating) or np.issubdtype(temps.dtype, np.integer)):
         raise TypeError(f"temperatures has dtype {temps.dtype}: expected a float dtype")
-    bad = ~(np.isfinite(temps) & (temps >= 0))
+    # the round samples in float32: a float64 1e39 would arrive as inf
+    with np.errstate(over="ignore"):
+        bad = ~(np.isfinite(temps.astype(np.float32)) & (temps >= 0))
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"temperatures[{i}]={float(temps[i])!r} is invalid: must be finite and >= 0 (0 = greedy)")
+        raise ValueError(
+            f"temperatures[{i}]={float(temps[i])!r} is invalid: must be >= 0 (0 = greedy) and finite in float32"
+        )
     if slots is not None:
         slots = np.asarray(slots)
         if not np.issubdtype(slots.dtype, np.integer):

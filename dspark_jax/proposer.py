@@ -71,7 +71,7 @@ from dspark_jax.memory_gate import (
 )
 from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
 from dspark_jax.race_kernel import use_race_kernel
-from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, key_rows
 from dspark_jax.split_round import Alternating, SplitRound, backbone_compile_options
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -150,14 +150,26 @@ def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array
 
 # Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
 _SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
+_COLUMNS = ("slot", "bonus", "prefix_len", "top_k")  # the integer columns' names
 
 
-def _unpack(packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
+def _row_ints(packed: jax.Array, limits: tuple[int, ...]) -> jax.Array:
+    """``[Bp, 4]`` int32 slot, bonus, prefix_len and top_k of the packed inputs, each clamped
+    into ``[0, limit]``.
+
+    ``Proposer`` checks a call's values on the host while the device runs (README note 58)
+    and raises for any out of range, dropping the round; the clamp keeps such a round's reads
+    inside the cache and the tables until then. Valid values pass unchanged.
+    """
+    return jnp.clip(packed[:, :_TEMPS].astype(jnp.int32), 0, jnp.asarray(limits, jnp.int32))
+
+
+def _unpack(limits: tuple[int, ...], packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
     """``[Bp, 6 + n]`` uint32 packed inputs and the call's typed key → the round's arrays.
 
-    See ``Proposer._pack_inputs`` for the columns.
+    See ``Proposer._pack_inputs`` for the columns and :func:`_row_ints` for ``limits``.
     """
-    ints = packed[:, :_TEMPS].astype(jnp.int32)
+    ints = _row_ints(packed, limits)
     return {
         "slots": ints[:, _SLOTS],
         "bonus": ints[:, _BONUS],
@@ -168,18 +180,18 @@ def _unpack(packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def _backbone_piece(split: SplitRound, start: int, stop: int, leaves, x, cache, packed):
+def _backbone_piece(split: SplitRound, limits: tuple[int, ...], start: int, stop: int, leaves, x, cache, packed):
     """A backbone piece; the first (``start == 0``) also returns ``packed``, so that it is
     copied to the device once, by the first launch, for the later pieces."""
     # The slots go to the draft, not through a gather: the GPU attention kernel reads the
     # requests' context where it lies (the XLA path gathers inside the draft).
-    ints = packed[:, :_TEMPS].astype(jnp.int32)
+    ints = _row_ints(packed, limits)
     x = split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
     return (x, packed) if start == 0 else x
 
 
-def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed, key):
-    inp = _unpack(packed, key)
+def _head_piece(split: SplitRound, limits: tuple[int, ...], fold_sampling: bool, leaves, x, packed, key):
+    inp = _unpack(limits, packed, key)
     return split.head(
         leaves,
         x,
@@ -191,9 +203,26 @@ def _head_piece(split: SplitRound, fold_sampling: bool, leaves, x, packed, key):
     )
 
 
-def _eager_inputs(cache, packed, key):
-    inp = _unpack(packed, key)
+def _eager_inputs(limits, cache, packed, key):
+    inp = _unpack(limits, packed, key)
     return _gather(cache, inp["slots"]), inp
+
+
+def _host_inputs(bonus, prefix_lens, temperatures, top_k, slots) -> tuple[int, np.ndarray, np.ndarray]:
+    """A call's per-row inputs as packed, unchecked (``Proposer._check`` checks them):
+    ``(B, ints [B, 4], temperatures float32 [B])``, ``ints`` the int64 columns slot, bonus,
+    prefix_len and top_k (a uint64 beyond int64 wraps negative, a float truncates: the
+    checks refuse both).
+
+    Raises:
+      Exception: whatever NumPy raises for inputs of unequal or wrong shapes.
+    """
+    bonus = np.asarray(bonus)
+    rows = bonus.shape[0]
+    columns = (np.arange(rows) if slots is None else slots, bonus, prefix_lens, top_k)
+    with np.errstate(over="ignore"):  # a float64 1e39 becomes inf, which the checks refuse
+        temps = np.asarray(temperatures).astype(np.float32)
+    return rows, np.stack(columns, axis=1, dtype=np.int64, casting="unsafe"), temps
 
 
 def _unpad(rows, block):
@@ -450,10 +479,10 @@ class Proposer:
                 continue
             if name[0] == "piece":
                 start, stop = name[2:]
-                fn = functools.partial(_backbone_piece, self._split, start, stop)
+                fn = functools.partial(_backbone_piece, self._split, self._limits, start, stop)
                 args = (None if start == 0 else hidden, self._cache_spec(), self._packed_spec(bucket))
             else:
-                fn = functools.partial(_head_piece, self._split, sampling)
+                fn = functools.partial(_head_piece, self._split, self._limits, sampling)
                 args = (hidden, self._packed_spec(bucket), self._key_spec)
             fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
             self._sub_leaves[_leaves_name(name)] = sub
@@ -504,14 +533,14 @@ class Proposer:
         jitted stages by running them once on zeros of the gathered rows' shape."""
         if bucket in self._eager:
             return
-        gather = jax.jit(_eager_inputs).lower(self._cache_spec(), self._packed_spec(bucket), self._key_spec).compile()
+        gather = jax.jit(functools.partial(_eager_inputs, self._limits))
+        gather = gather.lower(self._cache_spec(), self._packed_spec(bucket), self._key_spec).compile()
         rows_shape = (self.cache_shape[0], bucket, *self.cache_shape[2:])  # [L, Bp, C, KVH, D]
         rows = ContextCache(k=jnp.zeros(rows_shape, self.cache_dtype), v=jnp.zeros(rows_shape, self.cache_dtype))
-        zeros = np.zeros(bucket, np.int32)
-        packed, key = self._pack_inputs(
-            bucket, zeros, zeros, np.ones(bucket, np.float32), np.full(bucket, TOP_K_ALL), jax.random.key(0), zeros
-        )
-        self._eager_round(rows, jax.jit(_unpack)(packed, key))
+        ints = np.zeros((bucket, 4), np.int64)  # slot, bonus, prefix_len 0; no top-k
+        ints[:, _TOP_K] = TOP_K_ALL
+        packed, key = self._pack_inputs(bucket, ints, np.ones(bucket, np.float32), jax.random.key(0))
+        self._eager_round(rows, jax.jit(functools.partial(_unpack, self._limits))(packed, key))
         self._eager[bucket] = gather
 
     def _eager_round(self, rows: ContextCache, inp: dict[str, jax.Array]) -> DraftBlock:
@@ -591,12 +620,13 @@ class Proposer:
         """The smallest bucket holding ``rows``."""
         return next(b for b in self.buckets if b >= rows)
 
-    def _pack_inputs(self, bucket, bonus, prefix_lens, temperatures, top_k, key, slots) -> tuple[np.ndarray, jax.Array]:
+    def _pack_inputs(self, bucket: int, ints: np.ndarray, temps: np.ndarray, key: Any) -> tuple[np.ndarray, jax.Array]:
         """Host-side padding to ``bucket`` rows, packed into one ``[Bp, 6 + n]`` uint32 array.
 
-        Columns: slot, bonus, prefix_len, top_k, the temperature's float32 bits, a per-row
-        key flag (every row alike), then the ``n`` words of the row's raw key when keys are
-        given per row. Padded rows: slot 0, bonus 0, prefix_len 0, greedy.
+        Columns: slot, bonus, prefix_len, top_k (``ints [B, 4]``, checked to lie in
+        ``[0, 2³¹)``), the temperature's float32 bits (``temps [B]``), a per-row key flag
+        (every row alike), then the ``n`` words of the row's raw key when keys are given per
+        row. Padded rows: slot 0, bonus 0, prefix_len 0, greedy.
 
         Returns:
           ``(packed, key)``: ``key`` is the call's one typed key (row ``b`` samples with
@@ -604,11 +634,10 @@ class Proposer:
           is never copied back to the host; with per-row keys it is a placeholder and the
           keys' data travel in ``packed`` (read on the host: it waits for them).
         """
-        rows = len(bonus)
+        rows = len(ints)
         packed = np.zeros((bucket, _KEY + self._key_words), np.uint32)
-        for column, values in ((_SLOTS, slots), (_BONUS, bonus), (_PREFIX, prefix_lens), (_TOP_K, top_k)):
-            packed[:rows, column] = np.asarray(values)
-        packed[:rows, _TEMPS] = np.asarray(temperatures, np.float32).view(np.uint32)
+        packed[:rows, :_TEMPS] = ints
+        packed[:rows, _TEMPS] = temps.view(np.uint32)
         typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
         if np.ndim(key) == (0 if typed else 1):  # one key for the whole batch
             return packed, key if typed else jax.random.wrap_key_data(key)
@@ -644,7 +673,11 @@ class Proposer:
         *,
         slots: Any = None,
     ) -> DraftBlock:
-        """Validates, pads to the bucket, runs the precompiled round and unpads.
+        """Checks, pads to the bucket, runs the precompiled round and unpads.
+
+        Shapes, dtypes, the cache and the key are checked before the launch; the values
+        (ranges, finite temperatures) while the precompiled round runs, so a bad value
+        raises before any result is returned and its round is dropped (README note 58).
 
         Args:
           cache: the context cache ``[L, S, C, KVH, D]`` (the shape and dtype given at
@@ -660,10 +693,75 @@ class Proposer:
           The :class:`~dspark_jax.proposal.DraftBlock` of the ``B`` rows (of the bucket's
           ``Bp`` rows when ``unpad=False``).
         """
+        args = (cache, bonus, prefix_lens, temperatures, top_k, key, slots)
+        try:
+            rows, ints, temps = _host_inputs(bonus, prefix_lens, temperatures, top_k, slots)
+            bucket = self.bucket(rows)  # StopIteration above max_batch
+            packed, key = self._pack_inputs(bucket, ints, temps, key)
+        except Exception:  # inputs the packing cannot take: the checks name the field
+            self._check(args, None, None)
+            raise
+        sampling = bool(np.any((ints[:, _TOP_K] > 1) & (temps > 0)))
+        if (sampling and not self.gate.enabled) or not self._ready(bucket, sampling):
+            self._check(args, ints, temps)  # before the eager path or any compile
+            block = self._round(bucket, cache, packed, key, sampling)
+        else:
+            try:
+                block = self._folded_round(bucket, cache, packed, key, sampling)
+            except TypeError:  # a cache the programs do not take
+                self._check(args, ints, temps)
+                raise
+            self._check(args, ints, temps)  # while the device runs (note 58)
+        if rows == bucket or not self.unpad:
+            return block
+        return self._compile_slicer(rows, sampling)(block)
+
+    def _round(
+        self, bucket: int, cache: ContextCache, packed: np.ndarray, key: jax.Array, sampling: bool
+    ) -> DraftBlock:
+        """The eager round where the gate keeps sampling out of the folded programs, else the folded one."""
+        if sampling and not self.gate.enabled:
+            return self._run_eager(bucket, cache, packed, key)
+        return self._folded_round(bucket, cache, packed, key, sampling)
+
+    def _check(self, args: tuple[Any, ...], ints: np.ndarray | None, temps: np.ndarray | None) -> None:
+        """Raises unless a call's inputs are valid (README note 58).
+
+        A valid call passes a few shape and dtype comparisons and one vectorised range
+        test; the full validator's ~40 small NumPy calls cost ~0.1 ms of host time on the
+        H200's host, and even these are made while a launched round runs. A call they refuse
+        goes through :func:`~dspark_jax.proposal.validate_proposal_inputs`, which names the
+        field, the value and what is allowed.
+
+        Args:
+          args: the call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)``.
+          ints: ``[B, 4]`` int64 slot, bonus, prefix_len and top_k as packed (a uint64 beyond
+            int64 wrapped negative), or None where the packing failed.
+          temps: ``[B]`` float32 temperatures as packed, or None.
+
+        Raises:
+          ValueError, TypeError: as ``validate_proposal_inputs``, or a cache of another
+            shape or dtype than this Proposer's.
+        """
+        cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
+        columns = [np.asarray(v) for v in (slots, bonus, prefix_lens, top_k) if v is not None]
+        raw_temps = np.asarray(temperatures)
+        rows = ints.shape[0] if ints is not None else 0
+        if (
+            0 < rows <= self.max_batch
+            and isinstance(cache, ContextCache)
+            and all(tuple(a.shape) == self.cache_shape and a.dtype == self.cache_dtype for a in (cache.k, cache.v))
+            and all(a.shape == (rows,) and a.dtype.kind in "iu" for a in columns)
+            and raw_temps.shape == (rows,)
+            and raw_temps.dtype.kind in "fiu"
+            and key_rows(key, rows) in (False, True)  # a bad key raises its TypeError here
+            # NaN fails both comparisons; negatives (and wrapped uint64) fail ``>= 0``
+            and ((ints >= 0) & (ints <= self._limits)).all()
+            and ((temps >= 0) & (temps < np.inf)).all()
+        ):
+            return
         rows = np.shape(bonus)[0] if np.ndim(bonus) == 1 else 0
-        if slots is None:
-            slots = np.arange(rows)
-        validate_proposal_inputs(
+        validate_proposal_inputs(  # raises for what was refused above
             self.cfg,
             cache,
             bonus,
@@ -671,24 +769,34 @@ class Proposer:
             temperatures,
             top_k,
             key,
-            slots=slots,
+            slots=np.arange(rows) if slots is None else slots,
             max_batch=self.max_batch,
         )
-        if tuple(cache.k.shape) != self.cache_shape or cache.k.dtype != self.cache_dtype:
+        if not all(tuple(a.shape) == self.cache_shape and a.dtype == self.cache_dtype for a in (cache.k, cache.v)):
             raise ValueError(
-                f"cache has shape {tuple(cache.k.shape)} and dtype {cache.k.dtype}: this Proposer was built for "
-                f"{self.cache_shape} {self.cache_dtype} (num_slots, capacity and cache_dtype at construction)"
+                f"cache has k {tuple(cache.k.shape)} {cache.k.dtype} and v {tuple(cache.v.shape)} {cache.v.dtype}: "
+                f"this Proposer was built for {self.cache_shape} {self.cache_dtype} (num_slots, capacity and "
+                "cache_dtype at construction)"
             )
-        sampling = bool(np.any((np.asarray(top_k) > 1) & (np.asarray(temperatures) > 0)))
-        bucket = self.bucket(rows)
-        packed, key = self._pack_inputs(bucket, bonus, prefix_lens, temperatures, top_k, key, slots)
-        if sampling and not self.gate.enabled:
-            block = self._run_eager(bucket, cache, packed, key)
-        else:
-            block = self._folded_round(bucket, cache, packed, key, sampling)
-        if rows == bucket or not self.unpad:
-            return block
-        return self._compile_slicer(rows, sampling)(block)
+        if ints is None:
+            return  # the caller re-raises the packing's own error
+        allowed = ", ".join(f"{n} in [0, {hi}]" for n, hi in zip(_COLUMNS, self._limits, strict=True))
+        raise ValueError(  # not reached: the validator refuses every value refused above
+            f"per-row inputs out of range: rows ({', '.join(_COLUMNS)}) = {ints.tolist()}, allowed {allowed}; "
+            f"temperatures {temps.tolist()} must be >= 0 and finite"
+        )
+
+    def _ready(self, bucket: int, sampling: bool) -> bool:
+        """Whether the (bucket, mode) round's programs are compiled (or loaded)."""
+        return ("head", bucket, sampling) in self._programs and all(
+            ("piece", bucket, start, stop) in self._programs for start, stop in self._split.ranges
+        )
+
+    @functools.cached_property
+    def _limits(self) -> tuple[int, int, int, int]:
+        """The largest slot, bonus, prefix_len and top_k a call may pass."""
+        num_slots, capacity = self.cache_shape[1:3]
+        return num_slots - 1, self.cfg.vocab_size - 1, capacity - self.cfg.gamma, TOP_K_MAX
 
     def _folded_round(
         self,

@@ -65,6 +65,9 @@ import numpy as np
 TOP_K_ALL = 1 << 30
 """``top_k`` meaning "no top-k" (sample from the full distribution)."""
 
+TOP_K_MAX = (1 << 31) - 1
+"""The largest ``top_k`` the host-side checks accept: the round reads ``top_k`` as int32."""
+
 MIN_TEMPERATURE = 1e-5
 """Sampling temperatures are clamped below at this value."""
 

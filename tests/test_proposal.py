@@ -249,14 +249,25 @@ BAD_INPUTS = {
     "temperature-negative": (
         dict(temperatures=np.array([0.0, -0.5, 1.0, 1.0], np.float32)),
         ValueError,
-        r"temperatures\[1\]=-0.5 is invalid: must be finite and >= 0",
+        r"temperatures\[1\]=-0.5 is invalid: must be >= 0 \(0 = greedy\) and finite in float32",
     ),
     "temperature-nan": (
         dict(temperatures=np.array([0.0, 1.0, np.nan, 1.0], np.float32)),
         ValueError,
         r"temperatures\[2\]=nan is invalid",
     ),
+    "temperature-float32-overflow": (
+        dict(temperatures=np.array([0.0, 1e39, 1.0, 1.0])),
+        ValueError,
+        r"temperatures\[1\]=1e\+39 is invalid: .* finite in float32",
+    ),
     "top-k-negative": (dict(top_k=np.array([1, -1, 1, 1])), ValueError, r"top_k\[1\]=-1 .* TOP_K_ALL"),
+    # int32 in the round: 2**31 would read as negative (greedy), 2**32 + 5 as 5
+    "top-k-beyond-int32": (
+        dict(top_k=np.array([1, 2**31, 1, 1])),
+        ValueError,
+        r"top_k\[1\]=2147483648 is out of range: must be in \[0, 2147483647\]",
+    ),
     "key-int": (dict(key=0), TypeError, r"key=0 has type int"),
     "key-float": (dict(key=np.zeros(2, np.float32)), TypeError, r"key has dtype float32"),
     "key-batch": (dict(key=jax.random.split(jax.random.key(0), 3)), TypeError, r"key has shape \(3,\) for batch 4"),

@@ -125,9 +125,10 @@ def test_folded_round_hook_sees_each_program_and_changes_nothing(forced):
     args["top_k"] = np.full(4, TOP_K_ALL)
     key = jax.random.key(7)
     whole = proposer(cache, **args, key=key)
-    packed, packed_key = proposer._pack_inputs(
-        4, *(args[k] for k in ("bonus", "prefix_lens")), args["temperatures"], args["top_k"], key, args["slots"]
+    _, ints, temps = proposer_module._host_inputs(
+        *(args[k] for k in ("bonus", "prefix_lens", "temperatures", "top_k", "slots"))
     )
+    packed, packed_key = proposer._pack_inputs(4, ints, temps, key)
     seen = []
 
     def run(program, *inputs):
@@ -224,6 +225,13 @@ BAD_CALLS = {
     "temperature-nan": (dict(temperatures=np.array([np.nan, 1.0], np.float32)), ValueError, r"temperatures\[0\]=nan"),
     "temperature-negative": (dict(temperatures=np.array([1.0, -2.0], np.float32)), ValueError, r"temperatures\[1\]"),
     "key-wrong-type": (dict(key=np.zeros(2, np.int64)), TypeError, r"key has dtype int64"),
+    # values the uint32 packing would wrap into range are refused first
+    "bonus-negative": (dict(bonus=np.array([3, -1])), ValueError, r"bonus\[1\]=-1 is out of range"),
+    "slot-negative": (dict(slots=np.array([-1, 0], np.int8)), ValueError, r"slots\[0\]=-1 is out of range"),
+    "top-k-wraps": (dict(top_k=np.array([1, 2**32 + 5])), ValueError, r"top_k\[1\]=4294967301 is out of range"),
+    "bonus-bool": (dict(bonus=np.array([True, False])), TypeError, r"bonus has dtype bool"),
+    "temperature-float32-inf": (dict(temperatures=np.array([1e39, 1.0])), ValueError, r"finite in float32"),
+    "cache-wrong-dtype": (dict(cache_dtype=np.float16), ValueError, r"this Proposer was built for"),
     "cache-wrong-capacity": (dict(capacity=CAPACITY + 1), ValueError, r"this Proposer was built for"),
 }
 
@@ -245,10 +253,73 @@ def test_bad_call_raises_before_any_compilation(forced, case):
     if "capacity" in change:
         shape = (*proposer.cache_shape[:2], change.pop("capacity"), *proposer.cache_shape[3:])
         cache = type(cache)(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32))
+    if "cache_dtype" in change:
+        dtype = change.pop("cache_dtype")
+        cache = type(cache)(k=np.zeros(proposer.cache_shape, dtype), v=np.zeros(proposer.cache_shape, dtype))
     args.update(change)
     with CompileCounter() as counter, pytest.raises(error, match=message):
         proposer(cache, **args)
     assert counter.count == 0 and counter.lowerings == 0
+
+
+def test_any_integer_dtype_and_sequences_draft_the_same_rows(forced):
+    """The quick input check (one vectorised range test, note 58) takes every integer dtype,
+    integer temperatures and plain lists, and packs the same values as int64 arrays."""
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(9), draft.cfg.vocab_size, 3)
+    key = jax.random.key(3)
+    reference = proposer(cache, **args, key=key)
+    other = dict(
+        bonus=args["bonus"].astype(np.uint64),
+        prefix_lens=[int(n) for n in args["prefix_lens"]],
+        temperatures=args["temperatures"].astype(np.float64),
+        top_k=args["top_k"].astype(np.int32),
+        slots=args["slots"].astype(np.uint8),
+    )
+    block = proposer(cache, **other, key=key)
+    np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(reference.draft_tokens))
+    np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(reference.corrected_logits))
+    rows, ints, temps = proposer_module._host_inputs(
+        *(other[k] for k in ("bonus", "prefix_lens", "temperatures", "top_k", "slots"))
+    )
+    assert rows == 3 and ints.dtype == np.int64 and temps.dtype == np.float32
+    np.testing.assert_array_equal(ints, np.stack([args[k] for k in ("slots", "bonus", "prefix_lens", "top_k")], axis=1))
+    greedy_ints = dict(args, temperatures=np.zeros(3, np.int64))  # integer temperatures: 0 = greedy
+    np.testing.assert_array_equal(np.asarray(proposer(cache, **greedy_ints, key=key).greedy_mask), np.ones(3, bool))
+
+
+def test_a_bad_value_found_after_the_launch_drops_that_round_only(forced, monkeypatch):
+    """Values are checked while the precompiled round runs (note 58): the call raises, and
+    the next call (the twin programs' turn moved on) drafts as if the bad one never ran."""
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(11), draft.cfg.vocab_size, 4)
+    key = jax.random.key(5)
+    before = proposer(cache, **args, key=key)
+    bad = dict(args, prefix_lens=np.array([0, 1, CAPACITY, 2]))
+    with CompileCounter() as counter, pytest.raises(ValueError, match=r"prefix_lens\[2\]=\d+ is out of range"):
+        proposer(cache, **bad, key=key)
+    assert counter.count == 0
+    after = proposer(cache, **args, key=key)
+    np.testing.assert_array_equal(np.asarray(after.draft_tokens), np.asarray(before.draft_tokens))
+    np.testing.assert_array_equal(np.asarray(after.corrected_logits), np.asarray(before.corrected_logits))
+    # the last line of defence names the values even if the validator let them through
+    monkeypatch.setattr(proposer_module, "validate_proposal_inputs", lambda *a, **k: None)
+    with pytest.raises(
+        ValueError,
+        match=r"per-row inputs out of range: .* allowed slot in \[0, 4\], bonus in \[0, 39\], prefix_len in \[0, 8\]",
+    ):
+        proposer(cache, **bad, key=key)
+
+
+def test_in_graph_clamp_keeps_wrapped_values_inside_their_ranges():
+    """Until the host's check raises, a round's reads stay inside the cache and the tables:
+    values that wrapped in the uint32 packing (negative, beyond 2³¹) clamp to [0, limit]."""
+    limits = (3, 39, 10, 2**31 - 1)
+    ints = np.array([[0, 5, 10, 1], [2**32 - 1, 40, 11, 2**31], [3, 2**31 + 7, 2**32 - 2, 2**30]], np.uint64)
+    packed = np.zeros((3, 8), np.uint32)
+    packed[:, :4] = ints.astype(np.uint32)
+    got = np.asarray(proposer_module._row_ints(jnp.asarray(packed), limits))
+    np.testing.assert_array_equal(got, [[0, 5, 10, 1], [0, 39, 10, 0], [3, 0, 0, 2**30]])
 
 
 def test_every_key_form_samples_the_same_rows(forced):
