@@ -145,8 +145,9 @@ def validate_proposal_inputs(
 ) -> int:
     """Checks a proposal's inputs on the host, before anything is compiled.
 
-    Reads values with ``np.asarray``, so it must run outside ``jax.jit`` (the eager and
-    :class:`~dspark_jax.proposer.Proposer` entry points call it; :func:`propose` does not).
+    Reads values with ``np.asarray``, so it must run outside ``jax.jit`` (the eager entry
+    point calls it; :class:`~dspark_jax.proposer.Proposer` for every call its own quicker
+    checks refuse, to raise this function's message; :func:`propose` does not).
 
     Args:
       cfg: the draft config.
