@@ -28,6 +28,7 @@ L draft layers, T verify width (γ + 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -656,6 +657,22 @@ def _own_peak(
 
 
 # --------------------------------------------------------------------------- compile
+@contextlib.contextmanager
+def _cache_every_entry() -> Iterator[None]:
+    """jax's persistent cache keeps every entry inside the block (the compile worker's
+    setting), and the previous thresholds after it: a worker run in-process (the tests) must
+    not change jax's configuration, which the executable store's keys include."""
+    every = {"jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": 0}
+    previous = {name: getattr(jax.config, name) for name in every}
+    for name, value in every.items():
+        jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+
+
 def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measure_memory: bool) -> dict[str, Any]:
     """Times :meth:`~dspark_jax.proposer.Proposer.precompile`; optionally measures peak memory.
 
@@ -672,64 +689,63 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
     """
     from dspark_jax.proposer import Proposer, _host_inputs
 
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    cfg = draft_config(shapes)
-    capacity = shapes.context + 2 * cfg.num_query_rows
-    if measure_memory:
-        draft = nnx.merge(*build_draft(cfg))
-    else:
-        draft = nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0)))
-    proposer = Proposer(draft, max_batch=max_batch, capacity=capacity, folded_sampling="force")
-    buckets = []
-    t_all = time.perf_counter()
-    for bucket in proposer.buckets if workers == 1 else ():
-        for sampling in (False, True):
-            t0 = time.perf_counter()
-            proposer._compile_folded(bucket, sampling)
-            buckets.append({"batch": bucket, "fold_sampling": sampling, "seconds": time.perf_counter() - t0})
-    t0 = time.perf_counter()
-    gate = proposer.precompile(workers=workers)
-    rest = time.perf_counter() - t0
-    out = {
-        "workers": workers,
-        "buckets": buckets,
-        "rest_seconds": rest,
-        "total_seconds": time.perf_counter() - t_all,
-        # programs loaded from / saved to the executable store (traced, lowered and compiled: none / all)
-        "store": None if proposer.store is None else {"hits": proposer.store.hits, "saves": proposer.store.saves},
-        "gate": {
-            "closed_form_bytes": gate.closed_form_bytes,
-            "compiled_bytes": gate.compiled_bytes,
-            "needed_bytes": gate.needed_bytes,
-            "enabled": gate.enabled,
-        },
-    }
-    if measure_memory:
-        inp = _inputs(cfg, max_batch, shapes.context, capacity, seed=0)
-        host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
-        key = jax.random.key(0)
-        jax.block_until_ready(inp["cache"])
-        out["memory"] = {"batch": max_batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
-        ballast, peaks = [], {}
+    with _cache_every_entry():
+        cfg = draft_config(shapes)
+        capacity = shapes.context + 2 * cfg.num_query_rows
+        if measure_memory:
+            draft = nnx.merge(*build_draft(cfg))
+        else:
+            draft = nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0)))
+        proposer = Proposer(draft, max_batch=max_batch, capacity=capacity, folded_sampling="force")
+        buckets = []
+        t_all = time.perf_counter()
+        for bucket in proposer.buckets if workers == 1 else ():
+            for sampling in (False, True):
+                t0 = time.perf_counter()
+                proposer._compile_folded(bucket, sampling)
+                buckets.append({"batch": bucket, "fold_sampling": sampling, "seconds": time.perf_counter() - t0})
+        t0 = time.perf_counter()
+        gate = proposer.precompile(workers=workers)
+        rest = time.perf_counter() - t0
+        out = {
+            "workers": workers,
+            "buckets": buckets,
+            "rest_seconds": rest,
+            "total_seconds": time.perf_counter() - t_all,
+            # programs loaded from / saved to the executable store (traced, lowered and compiled: none / all)
+            "store": None if proposer.store is None else {"hits": proposer.store.hits, "saves": proposer.store.saves},
+            "gate": {
+                "closed_form_bytes": gate.closed_form_bytes,
+                "compiled_bytes": gate.compiled_bytes,
+                "needed_bytes": gate.needed_bytes,
+                "enabled": gate.enabled,
+            },
+        }
+        if measure_memory:
+            inp = _inputs(cfg, max_batch, shapes.context, capacity, seed=0)
+            host = {k: np.asarray(inp[k]) for k in ("bonus", "prefix_lens")}
+            key = jax.random.key(0)
+            jax.block_until_ready(inp["cache"])
+            out["memory"] = {"batch": max_batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
+            ballast, peaks = [], {}
 
-        def measured(mode: str, program: Callable[..., Any], *args: Any) -> Any:
-            nonlocal ballast
-            result = []
-            own, ballast = _own_peak(lambda: result.append(program(*args)) or result[0], ballast)
-            peaks.setdefault(mode, []).append(own)
-            return result[0]
+            def measured(mode: str, program: Callable[..., Any], *args: Any) -> Any:
+                nonlocal ballast
+                result = []
+                own, ballast = _own_peak(lambda: result.append(program(*args)) or result[0], ballast)
+                peaks.setdefault(mode, []).append(own)
+                return result[0]
 
-        for _ in range(MEMORY_REPEATS):
-            for mode in ("greedy", "sampling"):
-                temps, top_k = (np.asarray(a) for a in sampling_params(max_batch, mode))
-                _, ints, temps = _host_inputs(host["bonus"], host["prefix_lens"], temps, top_k, None)
-                packed, packed_key = proposer._pack_inputs(max_batch, ints, temps, key)
-                run = functools.partial(measured, mode)
-                proposer._folded_round(max_batch, inp["cache"], packed, packed_key, mode == "sampling", run=run)
-        out["memory"] |= {f"{mode}_program_peaks_bytes": own for mode, own in peaks.items()}
-        out["memory"] |= round_peaks(peaks, programs=len(proposer._split.ranges) + 1)
-    return out
+            for _ in range(MEMORY_REPEATS):
+                for mode in ("greedy", "sampling"):
+                    temps, top_k = (np.asarray(a) for a in sampling_params(max_batch, mode))
+                    _, ints, temps = _host_inputs(host["bonus"], host["prefix_lens"], temps, top_k, None)
+                    packed, packed_key = proposer._pack_inputs(max_batch, ints, temps, key)
+                    run = functools.partial(measured, mode)
+                    proposer._folded_round(max_batch, inp["cache"], packed, packed_key, mode == "sampling", run=run)
+            out["memory"] |= {f"{mode}_program_peaks_bytes": own for mode, own in peaks.items()}
+            out["memory"] |= round_peaks(peaks, programs=len(proposer._split.ranges) + 1)
+        return out
 
 
 def _gate_error(predicted: int, mem: dict[str, Any]) -> str:

@@ -20,10 +20,14 @@ def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
     argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--out", str(out)]
+    before = os.environ.get(bench.BACKBONE_GEMM_ENV)
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(bench.BACKBONE_GEMM_ENV, raising=False)  # restored afterwards: the run sets it
+        # recorded, so the context restores the variable the run sets (delenv of an unset name
+        # records nothing, and the executable store's keys of later tests include DSPARK_*)
+        patch.setenv(bench.BACKBONE_GEMM_ENV, "auto")
         assert bench.main(argv) == 0
         assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
+    assert os.environ.get(bench.BACKBONE_GEMM_ENV) == before
     return json.loads(out.read_text())
 
 
@@ -233,7 +237,11 @@ def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
         return sum(leaf.nbytes for leaf in jax.tree.leaves(result)), ballast
 
     monkeypatch.setattr(bench, "_own_peak", own_peak)
+    thresholds = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    before = [getattr(jax.config, name) for name in thresholds]
     out = bench._compile_worker(bench.SHAPES["tiny"], 1, workers=1, measure_memory=True)
+    # jax's configuration as it was (the executable store's keys include it: later tests load)
+    assert [getattr(jax.config, name) for name in thresholds] == before != [0.0, 0]
     mem, cfg = out["memory"], bench.draft_config(bench.SHAPES["tiny"])
     programs = len(out["memory"]["greedy_program_peaks_bytes"]) // bench.MEMORY_REPEATS
     assert programs >= 2 and len(mem["sampling_program_peaks_bytes"]) == programs * bench.MEMORY_REPEATS
