@@ -747,19 +747,19 @@ class Proposer:
         columns = [np.asarray(v) for v in (slots, bonus, prefix_lens, top_k) if v is not None]
         raw_temps = np.asarray(temperatures)
         rows = ints.shape[0] if ints is not None else 0
-        if (
+        shaped = (
             0 < rows <= self.max_batch
             and isinstance(cache, ContextCache)
             and all(tuple(a.shape) == self.cache_shape and a.dtype == self.cache_dtype for a in (cache.k, cache.v))
             and all(a.shape == (rows,) and a.dtype.kind in "iu" for a in columns)
             and raw_temps.shape == (rows,)
             and raw_temps.dtype.kind in "fiu"
-            and key_rows(key, rows) in (False, True)  # a bad key raises its TypeError here
+        )
+        if shaped:
+            key_rows(key, rows)  # a bad key raises its TypeError
             # NaN fails both comparisons; negatives (and wrapped uint64) fail ``>= 0``
-            and ((ints >= 0) & (ints <= self._limits)).all()
-            and ((temps >= 0) & (temps < np.inf)).all()
-        ):
-            return
+            if ((ints >= 0) & (ints <= self._limits)).all() and ((temps >= 0) & (temps < np.inf)).all():
+                return
         rows = np.shape(bonus)[0] if np.ndim(bonus) == 1 else 0
         validate_proposal_inputs(  # raises for what was refused above
             self.cfg,
