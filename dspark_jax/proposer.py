@@ -623,8 +623,9 @@ class Proposer:
     def _pack_inputs(self, bucket: int, ints: np.ndarray, temps: np.ndarray, key: Any) -> tuple[np.ndarray, jax.Array]:
         """Host-side padding to ``bucket`` rows, packed into one ``[Bp, 6 + n]`` uint32 array.
 
-        Columns: slot, bonus, prefix_len, top_k (``ints [B, 4]``, checked to lie in
-        ``[0, 2³¹)``), the temperature's float32 bits (``temps [B]``), a per-row key flag
+        Columns: slot, bonus, prefix_len, top_k (``ints [B, 4]``; values outside
+        ``[0, 2³²)`` wrap, which ``_check`` refuses), the temperature's float32 bits
+        (``temps [B]``), a per-row key flag
         (every row alike), then the ``n`` words of the row's raw key when keys are given per
         row. Padded rows: slot 0, bonus 0, prefix_len 0, greedy.
 
@@ -675,9 +676,10 @@ class Proposer:
     ) -> DraftBlock:
         """Checks, pads to the bucket, runs the precompiled round and unpads.
 
-        Shapes, dtypes, the cache and the key are checked before the launch; the values
-        (ranges, finite temperatures) while the precompiled round runs, so a bad value
-        raises before any result is returned and its round is dropped (README note 58).
+        The inputs are packed and the precompiled round launched first; shapes, dtypes, the
+        cache, the key and every value are checked while it runs, so a bad call raises before
+        any result is returned and its round is dropped (README note 58). Inputs the packing
+        cannot take, the eager path and programs not yet compiled are checked first.
 
         Args:
           cache: the context cache ``[L, S, C, KVH, D]`` (the shape and dtype given at
@@ -702,9 +704,11 @@ class Proposer:
             self._check(args, None, None)
             raise
         sampling = bool(np.any((ints[:, _TOP_K] > 1) & (temps > 0)))
-        if (sampling and not self.gate.enabled) or not self._ready(bucket, sampling):
+        eager = sampling and not self.gate.enabled
+        if eager or not self._ready(bucket, sampling):
             self._check(args, ints, temps)  # before the eager path or any compile
-            block = self._round(bucket, cache, packed, key, sampling)
+            run = self._run_eager if eager else functools.partial(self._folded_round, sampling=sampling)
+            block = run(bucket, cache, packed, key)
         else:
             try:
                 block = self._folded_round(bucket, cache, packed, key, sampling)
@@ -715,14 +719,6 @@ class Proposer:
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)
-
-    def _round(
-        self, bucket: int, cache: ContextCache, packed: np.ndarray, key: jax.Array, sampling: bool
-    ) -> DraftBlock:
-        """The eager round where the gate keeps sampling out of the folded programs, else the folded one."""
-        if sampling and not self.gate.enabled:
-            return self._run_eager(bucket, cache, packed, key)
-        return self._folded_round(bucket, cache, packed, key, sampling)
 
     def _check(self, args: tuple[Any, ...], ints: np.ndarray | None, temps: np.ndarray | None) -> None:
         """Raises unless a call's inputs are valid (README note 58).
