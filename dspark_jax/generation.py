@@ -41,9 +41,11 @@ from flax import nnx, struct
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
-from dspark_jax.sampling import TOP_K_ALL, greedy_step, key_rows
+from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
 from dspark_jax.verification import accept, required_filter_width, sample_tokens
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger temperature reaches the round as inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +148,16 @@ def _requests(
             raise ValueError(f"max_new_tokens[{b}]={m!r} is invalid: must be an integer >= 1")
     temps = _per_request("temperature", temperature, batch)
     for b, t in enumerate(temps):
-        if not isinstance(t, (int, float, np.number)) or not np.isfinite(t) or t < 0:
-            raise ValueError(f"temperature[{b}]={t!r} is invalid: must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(t, (int, float, np.number)) or not np.isfinite(float(t)) or t < 0 or t > _FLOAT32_MAX:
+            raise ValueError(
+                f"temperature[{b}]={t!r} is invalid: must be a number >= 0 (0 = greedy), finite in float32"
+            )
     ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]
     for b, k in enumerate(ks):
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"top_k[{b}]={k!r} is invalid: must be None (no top-k) or an integer >= 1 (1 = greedy)")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= TOP_K_MAX:
+            raise ValueError(
+                f"top_k[{b}]={k!r} is invalid: must be None (no top-k) or an integer in [1, {TOP_K_MAX}] (1 = greedy)"
+            )
     ps = [1.0 if p is None else p for p in _per_request("top_p", top_p, batch)]
     for b, p in enumerate(ps):
         if not isinstance(p, (int, float, np.number)) or not 0 < p <= 1:

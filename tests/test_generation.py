@@ -288,6 +288,9 @@ def small_pair():
         (dict(max_new_tokens=[3, 4, 5]), ValueError, "max_new_tokens has 3 entries"),
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(top_k=0), ValueError, "top_k"),
+        # the round reads top_k as int32 and temperatures as float32
+        (dict(top_k=2**31), ValueError, r"top_k\[0\]=2147483648 is invalid: .* \[1, 2147483647\]"),
+        (dict(temperature=1e39), ValueError, r"temperature\[0\]=1e\+39 is invalid: .* finite in float32"),
         (dict(top_p=0.0), ValueError, "top_p"),
         (dict(stop_tokens=[V + 1]), ValueError, "stop_tokens"),
         (dict(key=7), TypeError, "key"),
