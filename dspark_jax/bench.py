@@ -444,11 +444,24 @@ def _token_parity(reference: dict[str, tuple[str, np.ndarray]], mode: str, path:
       block: the path's :class:`~dspark_jax.proposal.DraftBlock`.
 
     Returns:
-      The row's ``tokens_reference`` (that path), ``tokens_differ`` and ``tokens_compared``.
+      The row's ``tokens_reference`` (that path), ``tokens_differ`` and ``tokens_compared``;
+      where tokens differ and the block has corrected logits, also ``tokens_logit_gap``: the
+      largest ``|logit(own token) − logit(reference's token)|`` in this path's corrected
+      logits at each differing row's first differing step (a bf16 step or so: a near-tie
+      that summation order flips; a large gap: a real disagreement).
     """
     tokens = np.asarray(block.draft_tokens)
     ref_path, ref = reference.setdefault(mode, (path, tokens))
-    return {"tokens_reference": ref_path, "tokens_differ": int(np.sum(tokens != ref)), "tokens_compared": tokens.size}
+    differ = tokens != ref
+    out = {"tokens_reference": ref_path, "tokens_differ": int(differ.sum()), "tokens_compared": tokens.size}
+    logits = getattr(block, "corrected_logits", None)
+    if differ.any() and logits is not None and logits.shape[-1]:
+        rows = np.flatnonzero(differ.any(axis=1))
+        steps = differ[rows].argmax(axis=1)  # each row's first differing step
+        own = np.asarray(logits[rows, steps], np.float32)  # [rows, V]
+        at = np.arange(len(rows))
+        out["tokens_logit_gap"] = float(np.abs(own[at, tokens[rows, steps]] - own[at, ref[rows, steps]]).max())
+    return out
 
 
 def bench_propose(
@@ -1048,9 +1061,15 @@ def format_table(result: dict[str, Any]) -> str:
             + "; ".join(
                 f"batch {r['batch']} {r['mode']} {r['path']}: {r['tokens_differ']} of {r['tokens_compared']} "
                 f"against {r['tokens_reference']}"
+                + (f" (logit gap {r['tokens_logit_gap']:.3g})" if "tokens_logit_gap" in r else "")
                 for r in differing
             )
         )
+        if any("tokens_logit_gap" in r for r in differing):
+            lines.append(
+                "  logit gap: the largest |logit(own token) - logit(reference's token)| in the path's own corrected "
+                "logits at each differing row's first differing step (about one bf16 step: a near-tie)"
+            )
     elif compared:
         lines.append(
             f"draft tokens: every path picks the same tokens as the first path of its batch and mode "

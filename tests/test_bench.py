@@ -110,11 +110,25 @@ def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_resu
     other = types.SimpleNamespace(draft_tokens=np.array([[1, 2, 9], [4, 0, 6]]))
     got = bench._token_parity(reference, "mixed", "split", other)
     assert got == {"tokens_reference": "folded", "tokens_differ": 2, "tokens_compared": 6}
+    # with corrected logits: the gap between the own and the reference's token at each
+    # differing row's first differing step (row 0 step 2: 9 vs 3; row 1 step 1: 0 vs 5)
+    logits = np.zeros((2, 3, 10), np.float32)
+    logits[0, 2, 9], logits[0, 2, 3] = 5.25, 5.0
+    logits[1, 1, 0], logits[1, 1, 5] = 1.0, 4.0
+    logits[1, 2, 6] = 99.0  # a later step: not looked at
+    with_logits = types.SimpleNamespace(draft_tokens=other.draft_tokens, corrected_logits=logits)
+    assert bench._token_parity(reference, "mixed", "eager", with_logits)["tokens_logit_gap"] == 3.0
+    no_logits = types.SimpleNamespace(draft_tokens=other.draft_tokens, corrected_logits=np.zeros((2, 3, 0)))
+    assert "tokens_logit_gap" not in bench._token_parity(reference, "mixed", "split_greedy", no_logits)
     result = copy.deepcopy(tiny_result)
     row = next(r for r in result["propose"] if (r["mode"], r["path"]) == ("mixed", "split"))
     row["tokens_differ"] = 3
     table = bench.format_table(result)
     assert "draft tokens DIFFER" in table and "batch 1 mixed split: 3 of 7 against folded" in table
+    assert "logit gap" not in table
+    row["tokens_logit_gap"] = 0.03125
+    table = bench.format_table(result)
+    assert "batch 1 mixed split: 3 of 7 against folded (logit gap 0.0312)" in table and "near-tie" in table
     assert "every path picks the same tokens" not in table
 
 
