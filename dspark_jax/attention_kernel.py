@@ -261,6 +261,14 @@ def _finish(q, o, m, l, k_ref, v_ref, b, h, *, keys, scale) -> jax.Array:
     return o / l[:, None]
 
 
+def _slot(slots_ref, ck_ref, b) -> jax.Array:
+    """Request ``b``'s cache slot, clamped into ``[0, N)`` of ``ck_ref [N, C, D]``: a jitted
+    caller's slots cannot be checked on the host, and an index past the cache would read
+    other memory (the XLA path's gather clamps alike; ``validate_proposal_inputs`` refuses
+    such slots on the host)."""
+    return jnp.clip(slots_ref[b], 0, ck_ref.shape[0] - 1)
+
+
 def _partials_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref, *, splits, rows, group, **walk):
     """Program ``(b, h, p)``: chunks ``[⌊p·n/P⌋, ⌊(p + 1)·n/P⌋)`` of request ``b``'s visible context.
 
@@ -273,7 +281,7 @@ def _partials_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l
     prefix = jnp.minimum(lens_ref[b], walk["capacity"])
     last = jnp.minimum((p + 1) * chunks // splits, pl.cdiv(prefix, walk["block_c"]))
     q = _query_tile(q_ref, b, h, rows, group)
-    o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, first, last, **walk)
+    o, m, l = _walk_context(q, ck_ref, cv_ref, _slot(slots_ref, ck_ref, b), prefix, first, last, **walk)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -285,7 +293,8 @@ def _whole_kernel(lens_ref, slots_ref, q_ref, ck_ref, cv_ref, k_ref, v_ref, out_
     b, h = pl.program_id(0), pl.program_id(1)
     prefix = jnp.minimum(lens_ref[b], walk["capacity"])
     q = _query_tile(q_ref, b, h, rows, group)
-    o, m, l = _walk_context(q, ck_ref, cv_ref, slots_ref[b], prefix, 0, pl.cdiv(prefix, walk["block_c"]), **walk)
+    row = _slot(slots_ref, ck_ref, b)
+    o, m, l = _walk_context(q, ck_ref, cv_ref, row, prefix, 0, pl.cdiv(prefix, walk["block_c"]), **walk)
     out = _finish(q, o, m, l, k_ref, v_ref, b, h, keys=keys, scale=walk["scale"])
     idx, mask = _row_tile(out_ref, b, h, rows, group)
     _store(out_ref, idx, out.reshape(rows, group, -1).astype(out_ref.dtype), mask)

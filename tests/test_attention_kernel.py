@@ -207,3 +207,39 @@ def test_propose_with_slots_equals_propose_on_gathered_rows(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a.corrected_logits), np.asarray(b.corrected_logits))
     with pytest.raises(ValueError, match=r"slots has shape \(2,\): expected \[3\] like bonus"):
         propose(graphdef, state, cache, bonus, lens, temps, top_k, jax.random.key(4), slots=slots[:2])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_clamps_slots_outside_the_cache(monkeypatch, splits):
+    """A jitted caller's slots are not checked on the host: the kernel reads slot 7 of 5 as
+    slot 4 and slot −2 as 0 (the XLA gather's clamp), never memory past the cache."""
+    from dspark_jax import attention_kernel
+
+    rows_read = []
+    walk = attention_kernel._walk_context
+
+    def spy(q, ck_ref, cv_ref, row, *args, **kwargs):
+        jax.debug.callback(lambda r: rows_read.append(int(r)), row)
+        return walk(q, ck_ref, cv_ref, row, *args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "_walk_context", spy)
+    q, _, _, k, v = _inputs(6, layers=1, batch=3, rows=7, heads=8, kv_heads=2, dim=16, capacity=48)
+    big_k = jax.random.normal(jax.random.key(11), (1, 5, 48, 2, 16))
+    big_v = jax.random.normal(jax.random.key(12), (1, 5, 48, 2, 16))
+    lens = jnp.array([40, 17, 48], jnp.int32)
+    got = attend_block(
+        q,
+        k,
+        v,
+        cache_k=big_k,
+        cache_v=big_v,
+        prefix_lens=lens,
+        layer=0,
+        slots=jnp.array([7, -2, 4], jnp.int32),
+        interpret=True,
+        splits=splits,
+    )
+    assert rows_read and set(rows_read) <= {0, 4}, sorted(set(rows_read))
+    clamped = np.array([4, 0, 4])
+    want = _reference(q, big_k[:, clamped], big_v[:, clamped], k, v, np.asarray(lens), 0)
+    assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) < 1e-5
