@@ -151,6 +151,7 @@ def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array
 # Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
 _SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
 _COLUMNS = ("slot", "bonus", "prefix_len", "top_k")  # the integer columns' names
+_LEAFLESS = ("slicer", "pack")  # programs that read none of the draft's leaves
 
 
 def _row_ints(packed: jax.Array, limits: tuple[int, ...]) -> jax.Array:
@@ -223,6 +224,40 @@ def _host_inputs(bonus, prefix_lens, temperatures, top_k, slots) -> tuple[int, n
     with np.errstate(over="ignore"):  # a float64 1e39 becomes inf, which the checks refuse
         temps = np.asarray(temperatures).astype(np.float32)
     return rows, np.stack(columns, axis=1, dtype=np.int64, casting="unsafe"), temps
+
+
+def _pack_on_device(bucket: int, width: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
+    """The packed inputs of :meth:`Proposer._pack_inputs`, built on the device from arrays
+    already there: ``[B]`` each (``slots`` None for ``0..B−1``; ``row_keys`` per-row keys,
+    typed ``[B]`` or raw ``[B, n]``, or None) → ``[Bp, width]`` uint32, rows ``>= B`` zero
+    (padding).
+
+    Integers pass as their low 32 bits (what the host packing keeps of an int64), so the
+    in-graph clamp (:func:`_row_ints`) sees the same values; the host checks the inputs
+    themselves (``Proposer._check``).
+    """
+    rows = bonus.shape[0]
+    slots = jnp.arange(rows, dtype=jnp.uint32) if slots is None else slots
+    columns = [x.astype(jnp.uint32) for x in (slots, bonus, prefix_lens, top_k)]
+    columns.append(jax.lax.bitcast_convert_type(temperatures.astype(jnp.float32), jnp.uint32))
+    packed = jnp.zeros((bucket, width), jnp.uint32).at[:rows, :_PER_ROW].set(jnp.stack(columns, axis=1))
+    if row_keys is None:
+        return packed
+    packed = packed.at[:, _PER_ROW].set(1)
+    return packed.at[:rows, _KEY:].set(_key_data(row_keys).astype(jnp.uint32))
+
+
+def _key_data(keys: Any) -> Any:
+    """Per-row keys' raw data ``[B, n]``: typed keys' words, raw data as given."""
+    return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
+
+
+def _fetched(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)`` with the
+    per-row arrays on the host (NumPy; host values pass unchanged)."""
+    cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
+    bonus, prefix_lens, temperatures, top_k, slots = jax.device_get((bonus, prefix_lens, temperatures, top_k, slots))
+    return cache, bonus, prefix_lens, temperatures, top_k, key, slots
 
 
 def _unpad(rows, block):
@@ -373,6 +408,9 @@ class Proposer:
         self._sub_leaves: dict[tuple[Any, ...], list[jax.Array]] = {}
         self._eager: dict[int, jax.stages.Compiled] = {}  # bucket -> the eager path's input gather
         self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        # (bucket, slots given) -> the device packing of bucket-sized int32 / float32 inputs
+        self._packers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._last_mode: tuple[jax.Array, jax.Array, bool] | None = None  # see _mode_of
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
 
     # ----------------------------------------------------------------- gate
@@ -433,25 +471,27 @@ class Proposer:
         programs, whose leaves it also sets), or None."""
         if self.store is None:
             return None
-        slicer = name[0] == "slicer"
-        copies = 2 if self.twin_programs and not slicer else 1
+        leafless = name[0] in _LEAFLESS
+        copies = 2 if self.twin_programs and not leafless else 1
         got = self.store.load(self.store.key(name, self._store_parts), copies=copies)
         if got is None:
             return None
         programs, kept = got
-        if slicer:
+        if leafless:
             return programs[0]
         self._sub_leaves[_leaves_name(name)] = [self._split.leaves[i] for i in kept]
         return Alternating(programs[0], twin=programs[1] if self.twin_programs else False)
 
     def _install(self, name: tuple[Any, ...], compiled: jax.stages.Compiled) -> None:
         """Keeps a freshly compiled program (and saves it in the executable store)."""
-        slicer = name[0] == "slicer"
+        leafless = name[0] in _LEAFLESS
         if self.store is not None:
-            kept = None if slicer else self._split.kept(_leaves_name(name))
+            kept = None if leafless else self._split.kept(_leaves_name(name))
             self.store.save(self.store.key(name, self._store_parts), compiled, extra=kept)
-        if slicer:
+        if name[0] == "slicer":
             self._slicers[name[1], name[3]] = compiled
+        elif name[0] == "pack":
+            self._packers[name[1:]] = compiled
         else:
             self._programs[name] = Alternating(compiled, twin=self.twin_programs)
 
@@ -607,6 +647,8 @@ class Proposer:
                     del self._programs["head", top, True]
             for bucket in order if self.gate.enabled else ():
                 compiles.submit(self._jobs(bucket, True, compiles.pending))
+            for bucket in order:
+                compiles.submit(self._packer_jobs(bucket))
             for rows in range(1, self.max_batch + 1) if self.unpad else ():
                 for sampling in (False, True) if rows != self.bucket(rows) else ():
                     compiles.submit(self._slicer_jobs(rows, sampling))
@@ -639,12 +681,20 @@ class Proposer:
         packed = np.zeros((bucket, _KEY + self._key_words), np.uint32)
         packed[:rows, :_TEMPS] = ints
         packed[:rows, _TEMPS] = temps.view(np.uint32)
+        row_keys, key = self._round_key(key)
+        if row_keys is not None:
+            packed[:, _PER_ROW] = 1
+            packed[:rows, _KEY:] = np.asarray(_key_data(row_keys), np.uint32)
+        return packed, key
+
+    def _round_key(self, key: Any) -> tuple[Any, jax.Array]:
+        """A call's key → ``(per-row keys or None, the typed key the round takes)``: one key
+        passes as it is (raw data wrapped); per-row keys (typed ``[B]`` or raw ``[B, n]``, as
+        given) travel in the packed inputs and the round gets a placeholder."""
         typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
         if np.ndim(key) == (0 if typed else 1):  # one key for the whole batch
-            return packed, key if typed else jax.random.wrap_key_data(key)
-        packed[:, _PER_ROW] = 1
-        packed[:rows, _KEY:] = np.asarray(jax.random.key_data(key) if typed else key, np.uint32)
-        return packed, self._placeholder_key
+            return None, key if typed else jax.random.wrap_key_data(key)
+        return key, self._placeholder_key
 
     @functools.cached_property
     def _placeholder_key(self) -> jax.Array:
@@ -673,6 +723,7 @@ class Proposer:
         key: Any,
         *,
         slots: Any = None,
+        sampling: bool | None = None,
     ) -> DraftBlock:
         """Checks, pads to the bucket, runs the precompiled round and unpads.
 
@@ -680,6 +731,12 @@ class Proposer:
         cache, the key and every value are checked while it runs, so a bad call raises before
         any result is returned and its round is dropped (README note 58). Inputs the packing
         cannot take, the eager path and programs not yet compiled are checked first.
+
+        Inputs already on the device (``bonus`` a ``jax.Array``, as a serving loop gets it
+        from verification) are packed there by a small precompiled program, so the call
+        neither waits for them nor copies them through the host before the round is
+        launched; they are read back to be checked after the launch (README note 59). Pass
+        ``sampling`` with them to skip reading the temperatures and top-k before the launch.
 
         Args:
           cache: the context cache ``[L, S, C, KVH, D]`` (the shape and dtype given at
@@ -690,20 +747,40 @@ class Proposer:
           top_k: ``[B]`` int (``<= 1`` = greedy).
           key: one PRNG key (typed or raw) or per-row keys ``[B]``.
           slots: ``[B]`` cache slot of each row (default ``0..B−1``).
+          sampling: which round to run: True the sampling-capable one (also right for
+            greedy rows), False the greedy-only one (a sampling row is then refused), None
+            (default) decided from the rows.
 
         Returns:
           The :class:`~dspark_jax.proposal.DraftBlock` of the ``B`` rows (of the bucket's
           ``Bp`` rows when ``unpad=False``).
+
+        Raises:
+          ValueError, TypeError: bad inputs (see :func:`~dspark_jax.proposal.validate_proposal_inputs`),
+            a cache of another shape or dtype than this Proposer's, ``sampling`` not a bool
+            or None, or ``sampling=False`` with a sampling row.
         """
+        if sampling is not None and not isinstance(sampling, bool | np.bool_):
+            raise TypeError(f"sampling={sampling!r} is invalid: must be True, False or None (decided from the rows)")
+        sampling = None if sampling is None else bool(sampling)
         args = (cache, bonus, prefix_lens, temperatures, top_k, key, slots)
+        if isinstance(bonus, jax.Array) and not isinstance(bonus, jax.core.Tracer):
+            block = self._device_call(args, sampling)
+            if block is not None:
+                return block
+            args = _fetched(args)  # the host path checks them first and names what is wrong
         try:
-            rows, ints, temps = _host_inputs(bonus, prefix_lens, temperatures, top_k, slots)
+            rows, ints, temps = _host_inputs(*args[1:5], args[6])
             bucket = self.bucket(rows)  # StopIteration above max_batch
-            packed, key = self._pack_inputs(bucket, ints, temps, key)
+            packed, key = self._pack_inputs(bucket, ints, temps, args[5])
         except Exception:  # inputs the packing cannot take: the checks name the field
             self._check(args, None, None)
             raise
-        sampling = bool(np.any((ints[:, _TOP_K] > 1) & (temps > 0)))
+        rows_sample = bool(np.any((ints[:, _TOP_K] > 1) & (temps > 0)))
+        if sampling is False and rows_sample:
+            self._check(args, ints, temps)
+            self._check_mode(False, ints, temps)
+        sampling = rows_sample if sampling is None else bool(sampling)
         eager = sampling and not self.gate.enabled
         if eager or not self._ready(bucket, sampling):
             self._check(args, ints, temps)  # before the eager path or any compile
@@ -716,6 +793,92 @@ class Proposer:
                 self._check(args, ints, temps)
                 raise
             self._check(args, ints, temps)  # while the device runs (note 58)
+        return self._unpadded(rows, bucket, sampling, block)
+
+    def _device_call(self, args: tuple[Any, ...], sampling: bool | None) -> DraftBlock | None:
+        """The round of inputs already on the device (README note 59), or None where the
+        host path must take the call: the eager path, programs not yet compiled, or inputs
+        the device packing cannot take (the host path checks those first)."""
+        cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
+        try:
+            bucket = self.bucket(bonus.shape[0])
+            if sampling is None:
+                sampling = self._mode_of(temperatures, top_k)
+            if (sampling and not self.gate.enabled) or not self._ready(bucket, sampling):
+                return None
+            row_keys, round_key = self._round_key(key)
+            packed = self._device_pack(bucket, bonus, prefix_lens, temperatures, top_k, slots, row_keys)
+            block = self._folded_round(bucket, cache, packed, round_key, sampling)
+        except Exception:  # the host path raises what is wrong, naming the field
+            return None
+        host = _fetched(args)  # waits for the inputs (not for the round), copies them to the host
+        try:
+            rows, ints, temps = _host_inputs(*host[1:5], host[6])
+        except Exception:
+            self._check(host, None, None)
+            raise
+        self._check(host, ints, temps)
+        self._check_mode(sampling, ints, temps)
+        return self._unpadded(rows, bucket, sampling, block)
+
+    def _mode_of(self, temperatures: Any, top_k: Any) -> bool:
+        """Whether a row samples: one read of the two arrays before the launch (~0.1 ms on the
+        H200's host), kept for the next call that passes the same two (immutable) arrays, as
+        a serving loop does while its batch is unchanged."""
+        last = self._last_mode
+        if last is not None and last[0] is temperatures and last[1] is top_k:
+            return last[2]
+        temps, ks = (np.asarray(a) for a in jax.device_get((temperatures, top_k)))
+        sampling = bool(np.any((ks > 1) & (temps > 0)))
+        if isinstance(temperatures, jax.Array) and isinstance(top_k, jax.Array):
+            self._last_mode = (temperatures, top_k, sampling)
+        return sampling
+
+    @functools.cached_property
+    def _device_packer(self) -> Callable[..., jax.Array]:
+        """:func:`_pack_on_device` jitted, for the inputs no precompiled packing takes."""
+        return jax.jit(_pack_on_device, static_argnums=(0, 1))
+
+    def _packer_jobs(self, bucket: int) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
+        """The device packings of bucket-sized int32 / float32 inputs with one key, with and
+        without slots (see :meth:`_device_call`), unless compiled or in the store."""
+        ints, temps = jax.ShapeDtypeStruct((bucket,), jnp.int32), jax.ShapeDtypeStruct((bucket,), jnp.float32)
+        for with_slots in (False, True):
+            name = ("pack", bucket, with_slots)
+            if name[1:] in self._packers:
+                continue
+            loaded = self._load(name)
+            if loaded is not None:
+                self._packers[name[1:]] = loaded
+                continue
+            fn = functools.partial(_pack_on_device, bucket, _KEY + self._key_words)
+            lowered = jax.jit(fn).lower(ints, ints, temps, ints, ints if with_slots else None, None)
+            yield name, lowered.compile
+
+    def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
+        """:func:`_pack_on_device`: the precompiled program where one fits the inputs, else
+        the jitted one (compiled at its first use per input signature)."""
+        if row_keys is None and bonus.shape[0] == bucket:
+            compiled = self._packers.get((bucket, slots is not None))
+            if compiled is not None:
+                try:
+                    return compiled(bonus, prefix_lens, temperatures, top_k, slots, None)
+                except TypeError:  # other dtypes than int32 / float32
+                    pass
+        return self._device_packer(
+            bucket, _KEY + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
+        )
+
+    def _check_mode(self, sampling: bool, ints: np.ndarray, temps: np.ndarray) -> None:
+        """Raises where ``sampling=False`` was given for rows that sample."""
+        samples = (ints[:, _TOP_K] > 1) & (temps > 0)
+        if not sampling and samples.any():
+            raise ValueError(
+                f"sampling=False but rows {np.flatnonzero(samples).tolist()} sample (temperature > 0 and top_k > 1): "
+                "pass sampling=True or None for such batches"
+            )
+
+    def _unpadded(self, rows: int, bucket: int, sampling: bool, block: DraftBlock) -> DraftBlock:
         if rows == bucket or not self.unpad:
             return block
         return self._compile_slicer(rows, sampling)(block)

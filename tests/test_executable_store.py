@@ -14,9 +14,9 @@ from dspark_jax import executable_store
 from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.proposer import CompileCounter, Proposer
 
-# max_batch 4: buckets 1, 2, 4, two backbone pieces and two heads each, and the slicers to
-# 3 rows (greedy and sampling).
-PROGRAMS = 3 * (2 + 2) + 2
+# max_batch 4: buckets 1, 2, 4, two backbone pieces, two heads and two device packings
+# (with and without slots) each, and the slicers to 3 rows (greedy and sampling).
+PROGRAMS = 3 * (2 + 2 + 2) + 2
 
 
 def draft_calls(proposer, cache, seed):

@@ -341,12 +341,144 @@ def test_every_key_form_samples_the_same_rows(forced):
     assert not np.array_equal(np.asarray(other.draft_tokens), np.asarray(blocks[0].draft_tokens))
 
 
+def _spy_rounds(proposer, monkeypatch):
+    """Records the packed inputs each round of ``proposer`` gets (a NumPy array from the
+    host path, a device array from the device path)."""
+    packed_seen, run = [], proposer._folded_round
+
+    def spy(bucket, cache, packed, *rest, **kwargs):
+        packed_seen.append(packed)
+        return run(bucket, cache, packed, *rest, **kwargs)
+
+    monkeypatch.setattr(proposer, "_folded_round", spy)
+    return packed_seen
+
+
+def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, monkeypatch):
+    """Inputs already on the device (note 59) take the device packing: the packed array is
+    the host packing's, bit for bit (negative and wrapped values, per-row keys, padding
+    included), and the blocks equal the host inputs' blocks; bucket-sized int32 inputs with
+    one key run the precompiled packing (nothing compiles)."""
+    draft, proposer, cache = forced
+    rng = np.random.default_rng(21)
+    width = proposer_module._KEY + proposer._key_words
+    for rows, bucket in ((3, 4), (4, 4), (1, 1)):
+        args = random_call(rng, draft.cfg.vocab_size, rows)
+        key = jax.random.key(rows)
+        keys = [key, jax.random.split(key, rows), jax.random.key_data(jax.random.split(key, rows))]
+        for k in keys:
+            ints = np.stack([args[c] for c in ("slots", "bonus", "prefix_lens", "top_k")], axis=1)
+            ints[0, 2], ints[-1, 3] = -3, 2**31 + 5  # wrapped as the host packing wraps them
+            host, _ = proposer._pack_inputs(bucket, ints, args["temperatures"], k)
+            row_keys, _ = proposer._round_key(k)
+            on_device = proposer._device_pack(
+                bucket,
+                *(jnp.asarray(c) for c in ints.T[[1, 2]]),
+                jnp.asarray(args["temperatures"]),
+                jnp.asarray(ints[:, 3].astype(np.uint32)),
+                jnp.asarray(ints[:, 0]),
+                row_keys,
+            )
+            assert on_device.shape == (bucket, width)
+            np.testing.assert_array_equal(np.asarray(on_device), host)
+    packed_seen = _spy_rounds(proposer, monkeypatch)
+    for rows in (3, 4):
+        args = random_call(rng, draft.cfg.vocab_size, rows)
+        args["temperatures"][0] = 0.8  # a sampling row
+        args["top_k"][0] = TOP_K_ALL
+        device_args = {
+            name: jnp.asarray(value, jnp.int32 if name != "temperatures" else jnp.float32)
+            for name, value in args.items()
+        }
+        for key in (jax.random.key(rows), jax.random.split(jax.random.key(rows), rows)):
+            expected = proposer(cache, **args, key=key)
+            with CompileCounter() as counter:
+                block = proposer(cache, **device_args, key=key)
+            assert isinstance(packed_seen[-1], jax.Array) and isinstance(packed_seen[-2], np.ndarray)
+            if rows == 4 and key.ndim == 0:
+                assert counter.count == 0 and counter.lowerings == 0
+            for got, want in zip(jax.tree.leaves(block), jax.tree.leaves(expected), strict=True):
+                assert got.shape == want.shape
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_device_inputs_are_checked_after_the_launch(forced, monkeypatch):
+    """A bad value on the device is read back after its round was launched and refused with
+    the field's message (the round dropped, the next call unchanged); inputs the device
+    packing cannot take go through the host path's checks; where the round is not ready the
+    host path runs it."""
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(23), draft.cfg.vocab_size, 4)
+    device_args = {name: jnp.asarray(value) for name, value in args.items()}
+    key = jax.random.key(9)
+    before = proposer(cache, **device_args, key=key)
+    packed_seen = _spy_rounds(proposer, monkeypatch)
+    bad = dict(device_args, prefix_lens=jnp.array([0, 1, CAPACITY, 2]))
+    with pytest.raises(ValueError, match=r"prefix_lens\[2\]=\d+ is out of range"):
+        proposer(cache, **bad, key=key)
+    assert len(packed_seen) == 1 and isinstance(packed_seen[0], jax.Array)  # launched, then refused
+    bad = dict(device_args, bonus=jnp.array([0, 1, draft.cfg.vocab_size, 2]))
+    with pytest.raises(ValueError, match=r"bonus\[2\]=\d+ is out of range"):
+        proposer(cache, **bad, key=key)
+    short = dict(device_args, top_k=device_args["top_k"][:3])
+    with pytest.raises(ValueError, match=r"top_k has shape \(3,\)"):
+        proposer(cache, **short, key=key)
+    assert len(packed_seen) == 2  # the short one never launched
+    after = proposer(cache, **device_args, key=key)
+    np.testing.assert_array_equal(np.asarray(after.draft_tokens), np.asarray(before.draft_tokens))
+    monkeypatch.setattr(proposer, "_ready", lambda bucket, sampling: False)
+    fallback = proposer(cache, **device_args, key=key)
+    assert isinstance(packed_seen[-1], np.ndarray)
+    np.testing.assert_array_equal(np.asarray(fallback.draft_tokens), np.asarray(before.draft_tokens))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_sampling_argument_picks_the_round_and_refuses_a_sampling_row_for_false(forced, on_device):
+    """``sampling=True`` runs the sampling-capable round for greedy rows (same tokens, the
+    corrected logits returned), ``sampling=False`` with a sampling row raises naming the
+    row, anything but a bool or None is a TypeError."""
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(25), draft.cfg.vocab_size, 3)
+    args["temperatures"] = np.zeros(3, np.float32)
+    put = (lambda a: {n: jnp.asarray(v) for n, v in a.items()}) if on_device else dict
+    key = jax.random.key(2)
+    greedy = proposer(cache, **put(args), key=key)
+    forced_sampling = proposer(cache, **put(args), key=key, sampling=True)
+    assert greedy.corrected_logits.shape[-1] == 0
+    assert forced_sampling.corrected_logits.shape == (3, draft.cfg.gamma, draft.cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(forced_sampling.draft_tokens), np.asarray(greedy.draft_tokens))
+    np.testing.assert_array_equal(
+        np.asarray(proposer(cache, **put(args), key=key, sampling=False).draft_tokens), np.asarray(greedy.draft_tokens)
+    )
+    args["temperatures"][1], args["top_k"][1] = 0.7, 5
+    with pytest.raises(ValueError, match=r"sampling=False but rows \[1\] sample"):
+        proposer(cache, **put(args), key=key, sampling=False)
+    with pytest.raises(TypeError, match=r"sampling='yes' is invalid: must be True, False or None"):
+        proposer(cache, **put(args), key=key, sampling="yes")
+
+
+def test_the_mode_of_device_inputs_is_read_once_per_pair_of_arrays(forced, monkeypatch):
+    """Without ``sampling``, device inputs' temperatures and top-k are read before the launch,
+    once for as long as the caller passes the same two arrays (immutable)."""
+    _, proposer, _ = forced
+    temps, top_k = jnp.array([0.0, 0.8]), jnp.array([1, 5])
+    assert proposer._mode_of(temps, top_k) is True
+
+    def no_reads(*args):
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(proposer_module.jax, "device_get", no_reads)
+    assert proposer._mode_of(temps, top_k) is True
+    with pytest.raises(AssertionError, match="read again"):
+        proposer._mode_of(jnp.array([0.0, 0.8]), top_k)  # equal values, another array: read
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(workers, monkeypatch):
     """Every program is compiled exactly once (a backbone piece shared by both modes too, even
     while its first compile is still pending in the pool), in the order the docstring gives:
     the largest bucket's greedy round and sampling head (the gate's), the other greedy
-    rounds largest first, the other sampling heads, then the slicers."""
+    rounds largest first, the other sampling heads, the device packings, then the slicers."""
     draft = random_draft(tiny_config(**CFG), seed=7)
     proposer = Proposer(
         draft, max_batch=4, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="force", executable_store=False
@@ -369,6 +501,7 @@ def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(wor
     ranges = proposer._split.ranges
     greedy = [[*(("piece", b, *r) for r in ranges), ("head", b, False)] for b in (4, 2, 1)]
     want = [*greedy[0], ("head", 4, True), *greedy[1], *greedy[2], ("head", 2, True), ("head", 1, True)]
+    want += [("pack", b, slots) for b in (4, 2, 1) for slots in (False, True)]
     want += [("slicer", 3, 4, False), ("slicer", 3, 4, True)]
     assert submitted == want
     assert sorted(installed, key=repr) == sorted(want, key=repr)  # in parallel, the gate's first
