@@ -64,7 +64,7 @@ from dspark_jax.split_round import (
 from dspark_jax.target import KVCache, Qwen3Target
 
 MODES = ("greedy", "mixed", "sampling")
-PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "eager")
+PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "proposer_device", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -487,12 +487,16 @@ def bench_propose(
     ``split`` (the same two programs dispatched as :class:`~dspark_jax.split_round.SplitRound`
     pieces, greedy-only and sampling folded), ``proposer``
     (:class:`~dspark_jax.proposer.Proposer`: host-side checks and padding, the slot
-    gather, the folded round; inputs on the host as a server holds them) and ``eager``
+    gather, the folded round; inputs on the host as a server holds them),
+    ``proposer_device`` (the same Proposer given int32 / float32 inputs already on the device
+    and the mode, as a serving loop holds them after verification: packed on the device,
+    checked after the launch, README note 59) and ``eager``
     (:func:`~dspark_jax.proposal.propose_eager`).
 
     Every row also compares the path's draft tokens with those of the first path timed for
-    its batch and mode, from the same inputs and key (:func:`_token_parity`); the ``proposer``
-    reads its own cache slots, so it is compared with the split round run on those slots.
+    its batch and mode, from the same inputs and key (:func:`_token_parity`); the Proposer
+    reads its own cache slots, so both its paths are compared with the split round run on
+    those slots.
 
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
@@ -508,7 +512,7 @@ def bench_propose(
     draft = nnx.merge(graphdef, state)
     split = SplitRound(draft)
     capacity = context + 2 * cfg.num_query_rows
-    if "proposer" in paths:
+    if {"proposer", "proposer_device"} & set(paths):
         proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
         shared = _inputs(cfg, max(batches), context, capacity, seed=0)["cache"]  # the Proposer's slots
     key = jax.random.key(7)
@@ -520,7 +524,7 @@ def bench_propose(
         mem_row: dict[str, Any] = {"batch": batch, "in_use_before_bytes": _memory_stat("bytes_in_use")}
         pending: list[tuple[dict[str, Any], Callable[[], Any]]] = []  # (row so far, its call)
         reference: dict[str, tuple[str, np.ndarray]] = {}  # mode -> first path's tokens (_token_parity)
-        proposer_blocks: dict[str, Any] = {}  # mode -> the Proposer's first DraftBlock
+        proposer_blocks: dict[tuple[str, str], Any] = {}  # (path, mode) -> the Proposer's first DraftBlock
         for path, fold_sampling, path_modes in (
             ("folded_greedy", False, ("greedy",)),
             ("folded", True, MODES),
@@ -560,20 +564,31 @@ def bench_propose(
                     **_token_parity(reference, mode, path, first),
                 }
                 pending.append((row, call))
-        for mode in modes if "proposer" in paths else ():
+        for path, mode in [(p, m) for p in ("proposer", "proposer_device") if p in paths for m in modes]:
             temps, top_k = (np.asarray(a) for a in sampling_params(batch, mode))
-
-            def call_proposer(temps=temps, top_k=top_k, host=host):
-                return proposer(shared, host["bonus"], host["prefix_lens"], temps, top_k, key)
-
-            proposer_blocks[mode] = jax.block_until_ready(call_proposer())
-            pending.append(({"batch": batch, "mode": mode, "path": "proposer"}, call_proposer))
+            if path == "proposer":
+                call_proposer = functools.partial(
+                    proposer, shared, host["bonus"], host["prefix_lens"], temps, top_k, key
+                )
+            else:  # int32 / float32 on the device, the mode known: what a serving loop passes
+                on_device = [jnp.asarray(a, jnp.int32) for a in (host["bonus"], host["prefix_lens"], top_k)]
+                call_proposer = functools.partial(
+                    proposer,
+                    shared,
+                    *on_device[:2],
+                    jnp.asarray(temps, jnp.float32),
+                    on_device[2],
+                    key,
+                    sampling=mode != "greedy",
+                )
+            proposer_blocks[path, mode] = jax.block_until_ready(call_proposer())
+            pending.append(({"batch": batch, "mode": mode, "path": path}, call_proposer))
         mem_row["peak_after_first_calls_bytes"] = _memory_stat("peak_bytes_in_use")
         # every path and mode of this batch timed in interleaved rounds (time_calls)
         timings = time_calls({i: call for i, (_, call) in enumerate(pending)}, iters=iters, rounds=min(3, iters))
         for i, (row, call) in enumerate(pending):
             row.update(timings[i])
-            if profile and row["path"] != "proposer" and row["mode"] in ("greedy", "mixed"):
+            if profile and not row["path"].startswith("proposer") and row["mode"] in ("greedy", "mixed"):
                 try:
                     row["profile"] = profile_kernels(call, iters=min(iters, 10))
                 except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing
@@ -583,11 +598,12 @@ def bench_propose(
         if proposer_blocks:  # the split round on the Proposer's slots 0..B-1
             slots = ContextCache(k=shared.k[:, :batch], v=shared.v[:, :batch])
             for row, _ in pending:
-                if row["path"] == "proposer":
+                if row["path"].startswith("proposer"):
                     temps, top_k = sampling_params(batch, row["mode"])
                     on_slots = split(slots, inp["bonus"], inp["prefix_lens"], temps, top_k, key, fold_sampling=True)
                     own = {row["mode"]: ("split (the Proposer's slots)", np.asarray(on_slots.draft_tokens))}
-                    row.update(_token_parity(own, row["mode"], "proposer", proposer_blocks[row["mode"]]))
+                    block = proposer_blocks[row["path"], row["mode"]]
+                    row.update(_token_parity(own, row["mode"], row["path"], block))
             del slots
         for mode in modes if "eager" in paths and eager_iters else ():
             temps, top_k = sampling_params(batch, mode)
@@ -1023,7 +1039,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"split round's backbone GEMMs: {gemms} ({BACKBONE_GEMM_ENV}={meta['backbone_gemm']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     header = (
-        f"{'batch':>5} {'mode':<8} {'path':<13} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
+        f"{'batch':>5} {'mode':<8} {'path':<15} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
         f"{'released':>8} {'spin':>7} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
         f"{'graph/jax':>9} {'graph/spin':>10}"
@@ -1042,7 +1058,7 @@ def format_table(result: dict[str, Any]) -> str:
         paired = r["path"] in (("folded_greedy", "split_greedy") if r["mode"] == "greedy" else ("folded", "split"))
         graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
-            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<13} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<15} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
             f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('released_median_ms')):>8} "
             f"{_fmt(r.get('spin_median_ms')):>7} "
             f"{_fmt(r.get('floor_ms')):>7} "

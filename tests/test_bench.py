@@ -37,7 +37,7 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     assert (1, "greedy", "folded_greedy") in seen and (1, "greedy", "jit_static") in seen
     assert (1, "greedy", "split_greedy") in seen
     for mode in bench.MODES:
-        for path in ("folded", "split", "proposer", "eager"):
+        for path in ("folded", "split", "proposer", "proposer_device", "eager"):
             assert (1, mode, path) in seen
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
@@ -99,7 +99,7 @@ def test_every_path_picks_the_tokens_of_the_first_path(tiny_result):
     refs = {(r["mode"], r["path"]): r["tokens_reference"] for r in rows}
     assert refs[("greedy", "split_greedy")] == refs[("greedy", "eager")] == "folded_greedy"
     assert refs[("sampling", "split")] == refs[("sampling", "eager")] == "folded"
-    assert refs[("mixed", "proposer")] == "split (the Proposer's slots)"
+    assert refs[("mixed", "proposer")] == refs[("mixed", "proposer_device")] == "split (the Proposer's slots)"
     assert "every path picks the same tokens as the first path of its batch and mode" in bench.format_table(tiny_result)
 
 
