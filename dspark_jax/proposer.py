@@ -18,7 +18,9 @@ later pieces. Modes:
   warms per bucket.
 
 A call's per-row inputs (slots, bonus tokens, context lengths, temperatures, top-k, keys)
-travel to the device packed in one array: one host-to-device copy per call.
+travel to the device packed in one array: one host-to-device copy per call; inputs already
+on the device (a serving loop's next anchor tokens) are packed there by a small precompiled
+program instead, and read back for the checks only after the round is launched.
 
 Context cache and buckets: the cache holds ``S`` request slots (``[L, S, C, KVH, D]``,
 fixed at construction) and a call names the slot of each row (``slots [B]``, default
@@ -597,7 +599,8 @@ class Proposer:
         )
 
     def precompile(self, *, workers: int | None = None) -> GateDecision:
-        """Compiles every (bucket, mode) and the slicers; decides the gate with XLA's numbers.
+        """Compiles every (bucket, mode), the device packings and the slicers; decides the gate
+        with XLA's numbers.
 
         Programs already in the executable store (see ``executable_store``) are loaded
         instead, and the ones compiled here are saved there.
@@ -606,8 +609,9 @@ class Proposer:
         OFF, or AUTO short of memory by the closed form) its sampling head, whose memory
         analysis (minus the greedy-only head's) refines the gate; then every other bucket's
         backbone pieces and greedy-only head, largest first (the longest compiles start
-        first). When the gate allows it, the sampling heads of every bucket follow, then the
-        slicers; else the eager path is warmed per bucket. With several workers this thread
+        first). When the gate allows it, the sampling heads of every bucket follow; then the
+        device packings (:meth:`_packer_jobs`) and the slicers; where the gate is closed the
+        eager path is warmed per bucket at the end. With several workers this thread
         lowers each program while the pool compiles the earlier ones, and waits only for the
         gate's programs before the sampling heads.
 
