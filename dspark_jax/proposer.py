@@ -154,6 +154,7 @@ def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array
 _SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
 _COLUMNS = ("slot", "bonus", "prefix_len", "top_k")  # the integer columns' names
 _LEAFLESS = ("slicer", "pack")  # programs that read none of the draft's leaves
+_NAMES = ("cache", "bonus", "prefix_lens", "temperatures", "top_k", "key", "slots")  # a call's arguments
 
 
 def _row_ints(packed: jax.Array, limits: tuple[int, ...]) -> jax.Array:
@@ -768,7 +769,14 @@ class Proposer:
             raise TypeError(f"sampling={sampling!r} is invalid: must be True, False or None (decided from the rows)")
         sampling = None if sampling is None else bool(sampling)
         args = (cache, bonus, prefix_lens, temperatures, top_k, key, slots)
-        if isinstance(bonus, jax.Array) and not isinstance(bonus, jax.core.Tracer):
+        named = (*zip(_NAMES, args, strict=True), *(("cache", getattr(cache, part, None)) for part in "kv"))
+        traced = sorted({name for name, a in named if isinstance(a, jax.core.Tracer)})
+        if traced:
+            raise TypeError(
+                f"Proposer was called with traced {', '.join(traced)} (inside jax.jit, vmap or grad): "
+                "it runs precompiled programs from the host; call dspark_jax.propose in traced code instead"
+            )
+        if isinstance(bonus, jax.Array):
             block = self._device_call(args, sampling)
             if block is not None:
                 return block

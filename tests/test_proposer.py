@@ -457,6 +457,21 @@ def test_sampling_argument_picks_the_round_and_refuses_a_sampling_row_for_false(
         proposer(cache, **put(args), key=key, sampling="yes")
 
 
+def test_a_traced_call_names_the_traced_inputs_and_points_to_propose(forced):
+    draft, proposer, cache = forced
+    args = random_call(np.random.default_rng(27), draft.cfg.vocab_size, 2)
+    rows = [args[n] for n in ("prefix_lens", "temperatures", "top_k")]
+    key = jax.random.key(0)
+
+    def traced(bonus, k):
+        block = proposer(type(cache)(k=k, v=cache.v), bonus, *rows, key, slots=args["slots"])
+        return block.draft_tokens
+
+    message = r"traced bonus, cache \(inside jax.jit, vmap or grad\).*call dspark_jax.propose in traced code instead"
+    with pytest.raises(TypeError, match=message):
+        jax.jit(traced)(jnp.asarray(args["bonus"]), cache.k)
+
+
 def test_the_mode_of_device_inputs_is_read_once_per_pair_of_arrays(forced, monkeypatch):
     """Without ``sampling``, device inputs' temperatures and top-k are read before the launch,
     once for as long as the caller passes the same two arrays (immutable)."""
