@@ -255,6 +255,12 @@ def _key_data(keys: Any) -> Any:
     return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
 
 
+def _sampling_rows(top_k: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
+    """``[B]`` True for the rows that sample: on the host, the complement of
+    :func:`~dspark_jax.sampling.greedy_rows`."""
+    return (top_k > 1) & (temperatures > 0)
+
+
 def _fetched(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """A call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)`` with the
     per-row arrays on the host (NumPy; host values pass unchanged)."""
@@ -788,11 +794,11 @@ class Proposer:
         except Exception:  # inputs the packing cannot take: the checks name the field
             self._check(args, None, None)
             raise
-        rows_sample = bool(np.any((ints[:, _TOP_K] > 1) & (temps > 0)))
+        rows_sample = bool(_sampling_rows(ints[:, _TOP_K], temps).any())
         if sampling is False and rows_sample:
             self._check(args, ints, temps)
             self._check_mode(False, ints, temps)
-        sampling = rows_sample if sampling is None else bool(sampling)
+        sampling = rows_sample if sampling is None else sampling
         eager = sampling and not self.gate.enabled
         if eager or not self._ready(bucket, sampling):
             self._check(args, ints, temps)  # before the eager path or any compile
@@ -841,7 +847,7 @@ class Proposer:
         if last is not None and last[0] is temperatures and last[1] is top_k:
             return last[2]
         temps, ks = (np.asarray(a) for a in jax.device_get((temperatures, top_k)))
-        sampling = bool(np.any((ks > 1) & (temps > 0)))
+        sampling = bool(_sampling_rows(ks, temps).any())
         if isinstance(temperatures, jax.Array) and isinstance(top_k, jax.Array):
             self._last_mode = (temperatures, top_k, sampling)
         return sampling
@@ -883,7 +889,7 @@ class Proposer:
 
     def _check_mode(self, sampling: bool, ints: np.ndarray, temps: np.ndarray) -> None:
         """Raises where ``sampling=False`` was given for rows that sample."""
-        samples = (ints[:, _TOP_K] > 1) & (temps > 0)
+        samples = _sampling_rows(ints[:, _TOP_K], temps)
         if not sampling and samples.any():
             raise ValueError(
                 f"sampling=False but rows {np.flatnonzero(samples).tolist()} sample (temperature > 0 and top_k > 1): "
