@@ -371,14 +371,10 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             ints[0, 2], ints[-1, 3] = -3, 2**31 + 5  # wrapped as the host packing wraps them
             host, _ = proposer._pack_inputs(bucket, ints, args["temperatures"], k)
             row_keys, _ = proposer._round_key(k)
-            on_device = proposer._device_pack(
-                bucket,
-                *(jnp.asarray(c) for c in ints.T[[1, 2]]),
-                jnp.asarray(args["temperatures"]),
-                jnp.asarray(ints[:, 3].astype(np.uint32)),
-                jnp.asarray(ints[:, 0]),
-                row_keys,
-            )
+            slots, bonus, prefix_lens = (jnp.asarray(ints[:, i]) for i in range(3))  # int32: -3 wraps alike
+            top_k = jnp.asarray(ints[:, 3].astype(np.uint32))  # 2³¹ + 5 fits uint32, not int32
+            temps = jnp.asarray(args["temperatures"])
+            on_device = proposer._device_pack(bucket, bonus, prefix_lens, temps, top_k, slots, row_keys)
             assert on_device.shape == (bucket, width)
             np.testing.assert_array_equal(np.asarray(on_device), host)
     packed_seen = _spy_rounds(proposer, monkeypatch)
