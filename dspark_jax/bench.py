@@ -571,16 +571,9 @@ def bench_propose(
                     proposer, shared, host["bonus"], host["prefix_lens"], temps, top_k, key
                 )
             else:  # int32 / float32 on the device, the mode known: what a serving loop passes
-                on_device = [jnp.asarray(a, jnp.int32) for a in (host["bonus"], host["prefix_lens"], top_k)]
-                call_proposer = functools.partial(
-                    proposer,
-                    shared,
-                    *on_device[:2],
-                    jnp.asarray(temps, jnp.float32),
-                    on_device[2],
-                    key,
-                    sampling=mode != "greedy",
-                )
+                bonus, lens, k = (jnp.asarray(a, jnp.int32) for a in (host["bonus"], host["prefix_lens"], top_k))
+                on_device = (bonus, lens, jnp.asarray(temps, jnp.float32), k)
+                call_proposer = functools.partial(proposer, shared, *on_device, key, sampling=mode != "greedy")
             proposer_blocks[path, mode] = jax.block_until_ready(call_proposer())
             pending.append(({"batch": batch, "mode": mode, "path": path}, call_proposer))
         mem_row["peak_after_first_calls_bytes"] = _memory_stat("peak_bytes_in_use")

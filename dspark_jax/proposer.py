@@ -229,6 +229,12 @@ def _host_inputs(bonus, prefix_lens, temperatures, top_k, slots) -> tuple[int, n
     return rows, np.stack(columns, axis=1, dtype=np.int64, casting="unsafe"), temps
 
 
+def _call_inputs(args: tuple[Any, ...]) -> tuple[int, np.ndarray, np.ndarray]:
+    """:func:`_host_inputs` of a call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)``."""
+    _, bonus, prefix_lens, temperatures, top_k, _, slots = args
+    return _host_inputs(bonus, prefix_lens, temperatures, top_k, slots)
+
+
 def _pack_on_device(bucket: int, width: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
     """The packed inputs of :meth:`Proposer._pack_inputs`, built on the device from arrays
     already there: ``[B]`` each (``slots`` None for ``0..B−1``; ``row_keys`` per-row keys,
@@ -259,6 +265,16 @@ def _sampling_rows(top_k: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
     """``[B]`` True for the rows that sample: on the host, the complement of
     :func:`~dspark_jax.sampling.greedy_rows`."""
     return (top_k > 1) & (temperatures > 0)
+
+
+def _check_mode(sampling: bool, ints: np.ndarray, temps: np.ndarray) -> None:
+    """Raises where ``sampling=False`` was given for rows that sample."""
+    samples = _sampling_rows(ints[:, _TOP_K], temps)
+    if not sampling and samples.any():
+        raise ValueError(
+            f"sampling=False but rows {np.flatnonzero(samples).tolist()} sample (temperature > 0 and top_k > 1): "
+            "pass sampling=True or None for such batches"
+        )
 
 
 def _fetched(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -788,7 +804,7 @@ class Proposer:
                 return block
             args = _fetched(args)  # the host path checks them first and names what is wrong
         try:
-            rows, ints, temps = _host_inputs(*args[1:5], args[6])
+            rows, ints, temps = _call_inputs(args)
             bucket = self.bucket(rows)  # StopIteration above max_batch
             packed, key = self._pack_inputs(bucket, ints, temps, args[5])
         except Exception:  # inputs the packing cannot take: the checks name the field
@@ -797,7 +813,7 @@ class Proposer:
         rows_sample = bool(_sampling_rows(ints[:, _TOP_K], temps).any())
         if sampling is False and rows_sample:
             self._check(args, ints, temps)
-            self._check_mode(False, ints, temps)
+            _check_mode(False, ints, temps)
         sampling = rows_sample if sampling is None else sampling
         eager = sampling and not self.gate.enabled
         if eager or not self._ready(bucket, sampling):
@@ -831,12 +847,12 @@ class Proposer:
             return None
         host = _fetched(args)  # waits for the inputs (not for the round), copies them to the host
         try:
-            rows, ints, temps = _host_inputs(*host[1:5], host[6])
+            rows, ints, temps = _call_inputs(host)
         except Exception:
             self._check(host, None, None)
             raise
         self._check(host, ints, temps)
-        self._check_mode(sampling, ints, temps)
+        _check_mode(sampling, ints, temps)
         return self._unpadded(rows, bucket, sampling, block)
 
     def _mode_of(self, temperatures: Any, top_k: Any) -> bool:
@@ -886,15 +902,6 @@ class Proposer:
         return self._device_packer(
             bucket, _KEY + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
         )
-
-    def _check_mode(self, sampling: bool, ints: np.ndarray, temps: np.ndarray) -> None:
-        """Raises where ``sampling=False`` was given for rows that sample."""
-        samples = _sampling_rows(ints[:, _TOP_K], temps)
-        if not sampling and samples.any():
-            raise ValueError(
-                f"sampling=False but rows {np.flatnonzero(samples).tolist()} sample (temperature > 0 and top_k > 1): "
-                "pass sampling=True or None for such batches"
-            )
 
     def _unpadded(self, rows: int, bucket: int, sampling: bool, block: DraftBlock) -> DraftBlock:
         if rows == bucket or not self.unpad:
