@@ -19,8 +19,9 @@ later pieces. Modes:
 
 A call's per-row inputs (slots, bonus tokens, context lengths, temperatures, top-k, keys)
 travel to the device packed in one array: one host-to-device copy per call; inputs already
-on the device (a serving loop's next anchor tokens) are packed there by a small precompiled
-program instead, and read back for the checks only after the round is launched.
+on the device (a serving loop's next anchor tokens) are packed there, by the first backbone
+piece itself where ``precompile`` built its device-input form, and read back for the checks
+only after the round is launched.
 
 Context cache and buckets: the cache holds ``S`` request slots (``[L, S, C, KVH, D]``,
 fixed at construction) and a call names the slot of each row (``slots [B]``, default
@@ -53,7 +54,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Container, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,7 @@ def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array
 # Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
 _SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
 _COLUMNS = ("slot", "bonus", "prefix_len", "top_k")  # the integer columns' names
-_LEAFLESS = ("slicer", "pack")  # programs that read none of the draft's leaves
+_LEAFLESS = ("slicer",)  # programs that read none of the draft's leaves
 _NAMES = ("cache", "bonus", "prefix_lens", "temperatures", "top_k", "key", "slots")  # a call's arguments
 
 
@@ -192,6 +193,30 @@ def _backbone_piece(split: SplitRound, limits: tuple[int, ...], start: int, stop
     ints = _row_ints(packed, limits)
     x = split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
     return (x, packed) if start == 0 else x
+
+
+def _front_piece(split: SplitRound, limits: tuple[int, ...], stop: int, width: int, leaves, cache, *rows):
+    """The first backbone piece of device inputs (README note 62): packs ``rows`` =
+    ``(bonus, prefix_lens, temperatures, top_k, slots)`` (``[Bp]`` each, ``slots`` None for
+    ``0..Bp−1``) in-graph as :func:`_pack_on_device` does, then runs as
+    :func:`_backbone_piece` with ``start == 0`` (returns ``(x, packed)``)."""
+    packed = _pack_on_device(rows[0].shape[0], width, *rows, None)
+    return _backbone_piece(split, limits, 0, stop, leaves, None, cache, packed)
+
+
+class _Front(NamedTuple):
+    """A call's per-row inputs on the device, bucket-sized int32 (float32 temperatures),
+    for a front program (:func:`_front_piece`) to pack: what ``Proposer._folded_round``
+    takes in place of packed inputs."""
+
+    bonus: jax.Array
+    prefix_lens: jax.Array
+    temperatures: jax.Array
+    top_k: jax.Array
+    slots: jax.Array | None
+
+    def name(self, bucket: int) -> tuple[Any, ...]:
+        return ("front", bucket, self.slots is not None)
 
 
 def _head_piece(split: SplitRound, limits: tuple[int, ...], fold_sampling: bool, leaves, x, packed, key):
@@ -291,6 +316,8 @@ def _unpad(rows, block):
 
 def _leaves_name(name: tuple[Any, ...]) -> tuple[Any, ...]:
     """A round program's name → the name of the draft leaves it reads (shared by buckets)."""
+    if name[0] == "front":
+        return ("front",)
     return ("piece", *name[2:]) if name[0] == "piece" else ("head", name[2])
 
 
@@ -427,14 +454,13 @@ class Proposer:
         self._headroom = headroom
         self.unpad = unpad
         self._warned = False
-        # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head.
+        # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head;
+        # ("front", bucket, slots given): the first piece of device inputs (see _Front).
         self._programs: dict[tuple[Any, ...], Alternating] = {}
-        # ("piece", start, stop) / ("head", sampling): the leaves that program reads
+        # ("piece", start, stop) / ("head", sampling) / ("front",): the leaves that program reads
         self._sub_leaves: dict[tuple[Any, ...], list[jax.Array]] = {}
         self._eager: dict[int, jax.stages.Compiled] = {}  # bucket -> the eager path's input gather
         self._slicers: dict[tuple[int, bool], jax.stages.Compiled] = {}
-        # (bucket, slots given) -> the device packing of bucket-sized int32 / float32 inputs
-        self._packers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._last_mode: tuple[jax.Array, jax.Array, bool] | None = None  # see _mode_of
         self._set_gate(plan_folded_sampling(folded_sampling, **self._gate_kwargs()))
 
@@ -515,8 +541,6 @@ class Proposer:
             self.store.save(self.store.key(name, self._store_parts), compiled, extra=kept)
         if name[0] == "slicer":
             self._slicers[name[1], name[3]] = compiled
-        elif name[0] == "pack":
-            self._packers[name[1:]] = compiled
         else:
             self._programs[name] = Alternating(compiled, twin=self.twin_programs)
 
@@ -622,8 +646,8 @@ class Proposer:
         )
 
     def precompile(self, *, workers: int | None = None) -> GateDecision:
-        """Compiles every (bucket, mode), the device packings and the slicers; decides the gate
-        with XLA's numbers.
+        """Compiles every (bucket, mode), the first pieces of device inputs and the slicers;
+        decides the gate with XLA's numbers.
 
         Programs already in the executable store (see ``executable_store``) are loaded
         instead, and the ones compiled here are saved there.
@@ -633,7 +657,7 @@ class Proposer:
         analysis (minus the greedy-only head's) refines the gate; then every other bucket's
         backbone pieces and greedy-only head, largest first (the longest compiles start
         first). When the gate allows it, the sampling heads of every bucket follow; then the
-        device packings (:meth:`_packer_jobs`) and the slicers; where the gate is closed the
+        first pieces of device inputs (:meth:`_front_jobs`) and the slicers; where the gate is closed the
         eager path is warmed per bucket at the end. With several workers this thread
         lowers each program while the pool compiles the earlier ones, and waits only for the
         gate's programs before the sampling heads.
@@ -675,7 +699,7 @@ class Proposer:
             for bucket in order if self.gate.enabled else ():
                 compiles.submit(self._jobs(bucket, True, compiles.pending))
             for bucket in order:
-                compiles.submit(self._packer_jobs(bucket))
+                compiles.submit(self._front_jobs(bucket))
             for rows in range(1, self.max_batch + 1) if self.unpad else ():
                 for sampling in (False, True) if rows != self.bucket(rows) else ():
                     compiles.submit(self._slicer_jobs(rows, sampling))
@@ -830,9 +854,9 @@ class Proposer:
         return self._unpadded(rows, bucket, sampling, block)
 
     def _device_call(self, args: tuple[Any, ...], sampling: bool | None) -> DraftBlock | None:
-        """The round of inputs already on the device (README note 59), or None where the
-        host path must take the call: the eager path, programs not yet compiled, or inputs
-        the device packing cannot take (the host path checks those first)."""
+        """The round of inputs already on the device (README notes 59 and 62), or None where
+        the host path must take the call: the eager path, programs not yet compiled, or
+        inputs the device packing cannot take (the host path checks those first)."""
         cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
         try:
             bucket = self.bucket(bonus.shape[0])
@@ -841,8 +865,10 @@ class Proposer:
             if (sampling and not self.gate.enabled) or not self._ready(bucket, sampling):
                 return None
             row_keys, round_key = self._round_key(key)
-            packed = self._device_pack(bucket, bonus, prefix_lens, temperatures, top_k, slots, row_keys)
-            block = self._folded_round(bucket, cache, packed, round_key, sampling)
+            inputs = _Front(bonus, prefix_lens, temperatures, top_k, slots)
+            if row_keys is not None or not self._front_takes(bucket, inputs):
+                inputs = self._device_pack(bucket, *inputs, row_keys)
+            block = self._folded_round(bucket, cache, inputs, round_key, sampling)
         except Exception:  # the host path raises what is wrong, naming the field
             return None
         host = _fetched(args)  # waits for the inputs (not for the round), copies them to the host
@@ -854,6 +880,17 @@ class Proposer:
         self._check(host, ints, temps)
         _check_mode(sampling, ints, temps)
         return self._unpadded(rows, bucket, sampling, block)
+
+    def _front_takes(self, bucket: int, rows: _Front) -> bool:
+        """Whether a precompiled front program takes these inputs: bucket-sized int32 arrays
+        (float32 temperatures), slots given or not, as :meth:`_front_jobs` compiles them."""
+        if rows.name(bucket) not in self._programs:
+            return False
+        want = (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)
+        return all(
+            a is None or (isinstance(a, jax.Array) and a.shape == (bucket,) and a.dtype == dtype)
+            for a, dtype in zip(rows, want, strict=True)
+        )
 
     def _mode_of(self, temperatures: Any, top_k: Any) -> bool:
         """Whether a row samples: one read of the two arrays before the launch (~0.1 ms on the
@@ -870,35 +907,34 @@ class Proposer:
 
     @functools.cached_property
     def _device_packer(self) -> Callable[..., jax.Array]:
-        """:func:`_pack_on_device` jitted, for the inputs no precompiled packing takes."""
+        """:func:`_pack_on_device` jitted, for the device inputs no front program takes."""
         return jax.jit(_pack_on_device, static_argnums=(0, 1))
 
-    def _packer_jobs(self, bucket: int) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
-        """The device packings of bucket-sized int32 / float32 inputs with one key, with and
-        without slots (see :meth:`_device_call`), unless compiled or in the store."""
+    def _front_jobs(self, bucket: int) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
+        """The bucket's first backbone piece of device inputs (:func:`_front_piece`), for
+        bucket-sized int32 / float32 inputs with and without slots (see
+        :meth:`_device_call`), unless compiled or in the store; compiled with the backbone's
+        options."""
         ints, temps = jax.ShapeDtypeStruct((bucket,), jnp.int32), jax.ShapeDtypeStruct((bucket,), jnp.float32)
+        stop = self._split.ranges[0][1]
         for with_slots in (False, True):
-            name = ("pack", bucket, with_slots)
-            if name[1:] in self._packers:
+            name = ("front", bucket, with_slots)
+            if name in self._programs:
                 continue
             loaded = self._load(name)
             if loaded is not None:
-                self._packers[name[1:]] = loaded
+                self._programs[name] = loaded
                 continue
-            fn = functools.partial(_pack_on_device, bucket, _KEY + self._key_words)
-            lowered = jax.jit(fn).lower(ints, ints, temps, ints, ints if with_slots else None, None)
-            yield name, lowered.compile
+            fn = functools.partial(_front_piece, self._split, self._limits, stop, _KEY + self._key_words)
+            args = (self._cache_spec(), ints, ints, temps, ints, ints if with_slots else None)
+            fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
+            self._sub_leaves[_leaves_name(name)] = sub
+            lowered = jax.jit(fn).lower(sub, *args)
+            yield name, functools.partial(lowered.compile, compiler_options=backbone_compile_options(bucket))
 
     def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
-        """:func:`_pack_on_device`: the precompiled program where one fits the inputs, else
-        the jitted one (compiled at its first use per input signature)."""
-        if row_keys is None and bonus.shape[0] == bucket:
-            compiled = self._packers.get((bucket, slots is not None))
-            if compiled is not None:
-                try:
-                    return compiled(bonus, prefix_lens, temperatures, top_k, slots, None)
-                except TypeError:  # other dtypes than int32 / float32
-                    pass
+        """:func:`_pack_on_device`, jitted (compiled at its first use per input signature):
+        the packed inputs of device arrays that no front program takes."""
         return self._device_packer(
             bucket, _KEY + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
         )
@@ -993,6 +1029,8 @@ class Proposer:
     ) -> DraftBlock:
         """The compiled round of a bucket: the backbone pieces, then the mode's head.
 
+        ``packed``: the packed inputs (NumPy or on the device), or a :class:`_Front` of
+        device inputs, which the bucket's front program packs in place of the first piece.
         ``run(program, *args)`` makes each call (the bench wraps it to measure each
         program's own peak memory).
         """
@@ -1000,6 +1038,9 @@ class Proposer:
         # the device copy on (one transfer, no Python jax.device_put before the launch)
         x = None
         for start, stop in self._split.ranges:
+            if start == 0 and isinstance(packed, _Front):
+                x, packed = run(self._programs[packed.name(bucket)], self._sub_leaves["front",], cache, *packed)
+                continue
             x = run(
                 self._program(("piece", bucket, start, stop)), self._sub_leaves["piece", start, stop], x, cache, packed
             )

@@ -355,10 +355,12 @@ def _spy_rounds(proposer, monkeypatch):
 
 
 def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, monkeypatch):
-    """Inputs already on the device (note 59) take the device packing: the packed array is
-    the host packing's, bit for bit (negative and wrapped values, per-row keys, padding
-    included), and the blocks equal the host inputs' blocks; bucket-sized int32 inputs with
-    one key run the precompiled packing (nothing compiles)."""
+    """Inputs already on the device (notes 59, 62) are packed on the device: the packed
+    array is the host packing's, bit for bit (negative and wrapped values, per-row keys,
+    padding included), and the blocks equal the host inputs' blocks; bucket-sized int32
+    inputs with one key go to the precompiled front program, which packs them itself (its
+    packed output and residual stream equal the first piece's of the host packing; nothing
+    compiles), others to the jitted packing and the first piece."""
     draft, proposer, cache = forced
     rng = np.random.default_rng(21)
     width = proposer_module._KEY + proposer._key_words
@@ -377,6 +379,17 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             on_device = proposer._device_pack(bucket, bonus, prefix_lens, temps, top_k, slots, row_keys)
             assert on_device.shape == (bucket, width)
             np.testing.assert_array_equal(np.asarray(on_device), host)
+            if rows == bucket and row_keys is None:  # what the front program takes
+                front = proposer_module._Front(bonus, prefix_lens, temps, top_k.astype(jnp.int32), slots)
+                assert proposer._front_takes(bucket, front)
+                x, packed = proposer._programs[front.name(bucket)](proposer._sub_leaves["front",], cache, *front)
+                stop = proposer._split.ranges[0][1]
+                piece = proposer._programs["piece", bucket, 0, stop]
+                want_x, _ = piece(proposer._sub_leaves["piece", 0, stop], None, cache, host)
+                np.testing.assert_array_equal(np.asarray(packed), host)
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
+                assert not proposer._front_takes(bucket, front._replace(bonus=bonus[:-1]))
+                assert not proposer._front_takes(bucket, front._replace(temperatures=temps.astype(jnp.bfloat16)))
     packed_seen = _spy_rounds(proposer, monkeypatch)
     for rows in (3, 4):
         args = random_call(rng, draft.cfg.vocab_size, rows)
@@ -390,9 +403,12 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             expected = proposer(cache, **args, key=key)
             with CompileCounter() as counter:
                 block = proposer(cache, **device_args, key=key)
-            assert isinstance(packed_seen[-1], jax.Array) and isinstance(packed_seen[-2], np.ndarray)
+            assert isinstance(packed_seen[-2], np.ndarray)
             if rows == 4 and key.ndim == 0:
+                assert isinstance(packed_seen[-1], proposer_module._Front)
                 assert counter.count == 0 and counter.lowerings == 0
+            else:
+                assert isinstance(packed_seen[-1], jax.Array)
             for got, want in zip(jax.tree.leaves(block), jax.tree.leaves(expected), strict=True):
                 assert got.shape == want.shape
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -412,7 +428,7 @@ def test_device_inputs_are_checked_after_the_launch(forced, monkeypatch):
     bad = dict(device_args, prefix_lens=jnp.array([0, 1, CAPACITY, 2]))
     with pytest.raises(ValueError, match=r"prefix_lens\[2\]=\d+ is out of range"):
         proposer(cache, **bad, key=key)
-    assert len(packed_seen) == 1 and isinstance(packed_seen[0], jax.Array)  # launched, then refused
+    assert len(packed_seen) == 1 and isinstance(packed_seen[0], proposer_module._Front)  # launched, then refused
     bad = dict(device_args, bonus=jnp.array([0, 1, draft.cfg.vocab_size, 2]))
     with pytest.raises(ValueError, match=r"bonus\[2\]=\d+ is out of range"):
         proposer(cache, **bad, key=key)
@@ -512,14 +528,15 @@ def test_precompile_builds_each_program_once_gate_first_then_largest_buckets(wor
     ranges = proposer._split.ranges
     greedy = [[*(("piece", b, *r) for r in ranges), ("head", b, False)] for b in (4, 2, 1)]
     want = [*greedy[0], ("head", 4, True), *greedy[1], *greedy[2], ("head", 2, True), ("head", 1, True)]
-    want += [("pack", b, slots) for b in (4, 2, 1) for slots in (False, True)]
+    want += [("front", b, slots) for b in (4, 2, 1) for slots in (False, True)]
     want += [("slicer", 3, 4, False), ("slicer", 3, 4, True)]
     assert submitted == want
     assert sorted(installed, key=repr) == sorted(want, key=repr)  # in parallel, the gate's first
     assert counter.count == len(want)
     assert proposer.gate.compiled_bytes is not None
-    # the backbone pieces compile with cuBLAS GEMMs asked for, the heads and slicers with XLA's defaults
-    assert {name for name, o in options.items() if o} == {name for name in want if name[0] == "piece"}
+    # the backbone pieces (device-input fronts too) compile with cuBLAS GEMMs asked for, the
+    # heads and slicers with XLA's defaults
+    assert {name for name, o in options.items() if o} == {name for name in want if name[0] in ("piece", "front")}
     assert all(o in (None, {"xla_gpu_enable_triton_gemm": False}) for o in options.values())
 
 
