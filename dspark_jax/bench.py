@@ -489,8 +489,9 @@ def bench_propose(
     (:class:`~dspark_jax.proposer.Proposer`: host-side checks and padding, the slot
     gather, the folded round; inputs on the host as a server holds them),
     ``proposer_device`` (the same Proposer given int32 / float32 inputs already on the device
-    and the mode, as a serving loop holds them after verification: packed on the device,
-    checked after the launch, README note 59) and ``eager``
+    and the mode, as a serving loop holds them after verification: packed on the device by
+    the first backbone piece, which the first call per bucket compiles, checked after the
+    launch, README notes 59 and 62) and ``eager``
     (:func:`~dspark_jax.proposal.propose_eager`).
 
     Every row also compares the path's draft tokens with those of the first path timed for

@@ -866,10 +866,17 @@ class Proposer:
                 return None
             row_keys, round_key = self._round_key(key)
             inputs = _Front(bonus, prefix_lens, temperatures, top_k, slots)
-            if row_keys is not None or not self._front_takes(bucket, inputs):
+            front = row_keys is None and self._front_takes(bucket, inputs)
+            if not front:
                 inputs = self._device_pack(bucket, *inputs, row_keys)
-            block = self._folded_round(bucket, cache, inputs, round_key, sampling)
         except Exception:  # the host path raises what is wrong, naming the field
+            return None
+        if front and inputs.name(bucket) not in self._programs:  # once per bucket, unless precompiled
+            with _Compiles(self._install, 1) as compiles:
+                compiles.submit(self._front_jobs(bucket, (slots is not None,)))
+        try:
+            block = self._folded_round(bucket, cache, inputs, round_key, sampling)
+        except Exception:  # e.g. a cache the programs do not take: the host path names it
             return None
         host = _fetched(args)  # waits for the inputs (not for the round), copies them to the host
         try:
@@ -882,10 +889,8 @@ class Proposer:
         return self._unpadded(rows, bucket, sampling, block)
 
     def _front_takes(self, bucket: int, rows: _Front) -> bool:
-        """Whether a precompiled front program takes these inputs: bucket-sized int32 arrays
-        (float32 temperatures), slots given or not, as :meth:`_front_jobs` compiles them."""
-        if rows.name(bucket) not in self._programs:
-            return False
+        """Whether a front program takes these inputs: bucket-sized int32 arrays (float32
+        temperatures), slots given or not, as :meth:`_front_jobs` compiles them."""
         want = (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)
         return all(
             a is None or (isinstance(a, jax.Array) and a.shape == (bucket,) and a.dtype == dtype)
@@ -910,14 +915,16 @@ class Proposer:
         """:func:`_pack_on_device` jitted, for the device inputs no front program takes."""
         return jax.jit(_pack_on_device, static_argnums=(0, 1))
 
-    def _front_jobs(self, bucket: int) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
+    def _front_jobs(
+        self, bucket: int, slots: tuple[bool, ...] = (False, True)
+    ) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
         """The bucket's first backbone piece of device inputs (:func:`_front_piece`), for
-        bucket-sized int32 / float32 inputs with and without slots (see
-        :meth:`_device_call`), unless compiled or in the store; compiled with the backbone's
-        options."""
+        bucket-sized int32 / float32 inputs with slots given and not (``slots``), unless
+        compiled or in the store; compiled with the backbone's options. ``precompile``
+        builds them; otherwise a bucket's first device call compiles the one it needs."""
         ints, temps = jax.ShapeDtypeStruct((bucket,), jnp.int32), jax.ShapeDtypeStruct((bucket,), jnp.float32)
         stop = self._split.ranges[0][1]
-        for with_slots in (False, True):
+        for with_slots in slots:
             name = ("front", bucket, with_slots)
             if name in self._programs:
                 continue

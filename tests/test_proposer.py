@@ -414,6 +414,29 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_a_bucket_compiles_its_front_program_at_its_first_device_call():
+    """Without ``precompile``, a bucket's first call with device inputs compiles the front
+    program it needs (slots given or not) once; later calls compile nothing and draft what
+    the host inputs draft."""
+    draft = random_draft(tiny_config(**CFG), seed=7)
+    proposer = Proposer(draft, max_batch=2, capacity=CAPACITY, num_slots=SLOTS, executable_store=False)
+    cache = make_cache(draft, seed=3)
+    args = random_call(np.random.default_rng(31), draft.cfg.vocab_size, 2)
+    args["temperatures"] = np.zeros(2, np.float32)
+    key = jax.random.key(4)
+    for slots_given in (True, False):
+        call = args if slots_given else {n: v for n, v in args.items() if n != "slots"}
+        want = proposer(cache, **call, key=key).draft_tokens  # the first compiles the greedy round
+        on_device = {n: jnp.asarray(v, jnp.float32 if n == "temperatures" else jnp.int32) for n, v in call.items()}
+        for compiles in (1, 0):
+            with CompileCounter() as counter:
+                got = proposer(cache, **on_device, key=key, sampling=False).draft_tokens
+            assert counter.count == compiles
+            assert ("front", 2, slots_given) in proposer._programs
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not any(name[0] == "front" and name[1] == 1 for name in proposer._programs)
+
+
 def test_device_inputs_are_checked_after_the_launch(forced, monkeypatch):
     """A bad value on the device is read back after its round was launched and refused with
     the field's message (the round dropped, the next call unchanged); inputs the device
