@@ -182,6 +182,14 @@ def random_context(cfg: DraftConfig, batch: int, capacity: int, key: jax.Array) 
     return ContextCache(k=make(kk), v=make(kv))
 
 
+def _sampling_rows(batch: int, mode: str) -> np.ndarray:
+    """``[B]`` bool: the rows that sample in a benchmark batch of ``mode`` (see :func:`sampling_params`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
+    n_sample = {"greedy": 0, "mixed": max(1, batch // 2), "sampling": batch}[mode]
+    return np.arange(batch) < n_sample
+
+
 def sampling_params(batch: int, mode: str) -> tuple[jax.Array, jax.Array]:
     """Per-row ``(temperatures [B], top_k [B])`` of a benchmark batch.
 
@@ -190,10 +198,7 @@ def sampling_params(batch: int, mode: str) -> tuple[jax.Array, jax.Array]:
     """
     from dspark_jax.sampling import TOP_K_ALL
 
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
-    n_sample = {"greedy": 0, "mixed": max(1, batch // 2), "sampling": batch}[mode]
-    sample = np.arange(batch) < n_sample
+    sample = _sampling_rows(batch, mode)
     temps = np.where(sample, 1.0, 0.0).astype(np.float32)
     top_k = np.where(sample, TOP_K_ALL, 1).astype(np.int32)
     return jnp.asarray(temps), jnp.asarray(top_k)
@@ -435,6 +440,15 @@ def _inputs(cfg: DraftConfig, batch: int, context: int, capacity: int, seed: int
     }
 
 
+def _parity_note(row: dict[str, Any]) -> str:
+    """The table's note on a row's differing tokens: the greedy rows' logit gap and the
+    number of differing sampling rows, where known."""
+    notes = [f"logit gap {row['tokens_logit_gap']:.3g} in greedy rows"] if "tokens_logit_gap" in row else []
+    n = row.get("tokens_differ_sampling_rows", 0)
+    notes += [f"{n} sampling row{'s' if n > 1 else ''}"] if n else []
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def _token_parity(reference: dict[str, tuple[str, np.ndarray]], mode: str, path: str, block: Any) -> dict[str, Any]:
     """A path's draft tokens against the first path of its batch and mode (same inputs and key).
 
@@ -445,18 +459,24 @@ def _token_parity(reference: dict[str, tuple[str, np.ndarray]], mode: str, path:
 
     Returns:
       The row's ``tokens_reference`` (that path), ``tokens_differ`` and ``tokens_compared``;
-      where tokens differ and the block has corrected logits, also ``tokens_logit_gap``: the
-      largest ``|logit(own token) − logit(reference's token)|`` in this path's corrected
-      logits at each differing row's first differing step (a bf16 step or so: a near-tie
-      that summation order flips; a large gap: a real disagreement).
+      where greedy rows differ and the block has corrected logits, also ``tokens_logit_gap``:
+      the largest ``|logit(own token) − logit(reference's token)|`` in this path's corrected
+      logits at each differing greedy row's first differing step (a bf16 step or so: a
+      near-tie that summation order flips; a large gap: a real disagreement); where
+      sampling rows differ, ``tokens_differ_sampling_rows``, their count (a sampling row's
+      token wins the race of its logits and its noise, so its logits alone cannot tell a
+      near-tie from a disagreement).
     """
     tokens = np.asarray(block.draft_tokens)
     ref_path, ref = reference.setdefault(mode, (path, tokens))
     differ = tokens != ref
     out = {"tokens_reference": ref_path, "tokens_differ": int(differ.sum()), "tokens_compared": tokens.size}
+    sample = _sampling_rows(tokens.shape[0], mode)
+    if (differ.any(axis=1) & sample).any():
+        out["tokens_differ_sampling_rows"] = int((differ.any(axis=1) & sample).sum())
     logits = getattr(block, "corrected_logits", None)
-    if differ.any() and logits is not None and logits.shape[-1]:
-        rows = np.flatnonzero(differ.any(axis=1))
+    if (differ.any(axis=1) & ~sample).any() and logits is not None and logits.shape[-1]:
+        rows = np.flatnonzero(differ.any(axis=1) & ~sample)
         steps = differ[rows].argmax(axis=1)  # each row's first differing step
         own = np.asarray(logits[rows, steps], np.float32)  # [rows, V]
         at = np.arange(len(rows))
@@ -1070,15 +1090,19 @@ def format_table(result: dict[str, Any]) -> str:
             "draft tokens DIFFER from the first path of the same batch and mode (same inputs and key): "
             + "; ".join(
                 f"batch {r['batch']} {r['mode']} {r['path']}: {r['tokens_differ']} of {r['tokens_compared']} "
-                f"against {r['tokens_reference']}"
-                + (f" (logit gap {r['tokens_logit_gap']:.3g})" if "tokens_logit_gap" in r else "")
+                f"against {r['tokens_reference']}" + _parity_note(r)
                 for r in differing
             )
         )
         if any("tokens_logit_gap" in r for r in differing):
             lines.append(
                 "  logit gap: the largest |logit(own token) - logit(reference's token)| in the path's own corrected "
-                "logits at each differing row's first differing step (about one bf16 step: a near-tie)"
+                "logits at each differing greedy row's first differing step (about one bf16 step: a near-tie)"
+            )
+        if any("tokens_differ_sampling_rows" in r for r in differing):
+            lines.append(
+                "  sampling rows: each token wins the race of its logits and its noise, so the logits alone cannot "
+                "tell a near-tie from a disagreement"
             )
     elif compared:
         lines.append(

@@ -109,15 +109,30 @@ def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_resu
     assert bench._token_parity(reference, "mixed", "folded", block)["tokens_differ"] == 0
     other = types.SimpleNamespace(draft_tokens=np.array([[1, 2, 9], [4, 0, 6]]))
     got = bench._token_parity(reference, "mixed", "split", other)
-    assert got == {"tokens_reference": "folded", "tokens_differ": 2, "tokens_compared": 6}
+    # mixed at batch 2: row 0 samples, row 1 is greedy
+    assert got == {
+        "tokens_reference": "folded",
+        "tokens_differ": 2,
+        "tokens_compared": 6,
+        "tokens_differ_sampling_rows": 1,
+    }
     # with corrected logits: the gap between the own and the reference's token at each
-    # differing row's first differing step (row 0 step 2: 9 vs 3; row 1 step 1: 0 vs 5)
+    # differing greedy row's first differing step (row 1 step 1: 0 vs 5); the sampling
+    # row 0 (step 2: 9 vs 3, a gap of 7) is counted, not measured
     logits = np.zeros((2, 3, 10), np.float32)
-    logits[0, 2, 9], logits[0, 2, 3] = 5.25, 5.0
+    logits[0, 2, 9], logits[0, 2, 3] = 12.0, 5.0
     logits[1, 1, 0], logits[1, 1, 5] = 1.0, 4.0
     logits[1, 2, 6] = 99.0  # a later step: not looked at
     with_logits = types.SimpleNamespace(draft_tokens=other.draft_tokens, corrected_logits=logits)
     assert bench._token_parity(reference, "mixed", "eager", with_logits)["tokens_logit_gap"] == 3.0
+    greedy_ref = {}
+    bench._token_parity(greedy_ref, "greedy", "folded", block)
+    got = bench._token_parity(greedy_ref, "greedy", "eager", with_logits)
+    assert got["tokens_logit_gap"] == 7.0 and "tokens_differ_sampling_rows" not in got
+    sampling_ref = {}
+    bench._token_parity(sampling_ref, "sampling", "folded", block)
+    got = bench._token_parity(sampling_ref, "sampling", "eager", with_logits)
+    assert got["tokens_differ_sampling_rows"] == 2 and "tokens_logit_gap" not in got
     no_logits = types.SimpleNamespace(draft_tokens=other.draft_tokens, corrected_logits=np.zeros((2, 3, 0)))
     assert "tokens_logit_gap" not in bench._token_parity(reference, "mixed", "split_greedy", no_logits)
     result = copy.deepcopy(tiny_result)
@@ -128,8 +143,13 @@ def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_resu
     assert "logit gap" not in table
     row["tokens_logit_gap"] = 0.03125
     table = bench.format_table(result)
-    assert "batch 1 mixed split: 3 of 7 against folded (logit gap 0.0312)" in table and "near-tie" in table
+    assert "batch 1 mixed split: 3 of 7 against folded (logit gap 0.0312 in greedy rows)" in table
+    assert "near-tie" in table and "sampling rows:" not in table
     assert "every path picks the same tokens" not in table
+    row["tokens_differ_sampling_rows"] = 2
+    table = bench.format_table(result)
+    assert "3 of 7 against folded (logit gap 0.0312 in greedy rows; 2 sampling rows)" in table
+    assert "sampling rows: each token wins the race of its logits and its noise" in table
 
 
 def test_forced_accept_distribution_has_the_requested_mean():
