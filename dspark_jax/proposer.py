@@ -20,8 +20,8 @@ later pieces. Modes:
 A call's per-row inputs (slots, bonus tokens, context lengths, temperatures, top-k, keys)
 travel to the device packed in one array: one host-to-device copy per call; inputs already
 on the device (a serving loop's next anchor tokens) are packed there, by the first backbone
-piece itself where ``precompile`` built its device-input form, and read back for the checks
-only after the round is launched.
+piece itself (its device-input form, built by ``precompile`` or at a bucket's first such
+call), and read back for the checks only after the round is launched.
 
 Context cache and buckets: the cache holds ``S`` request slots (``[L, S, C, KVH, D]``,
 fixed at construction) and a call names the slot of each row (``slots [B]``, default
