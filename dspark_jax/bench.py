@@ -730,7 +730,8 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
     ``precompile()``, one greedy and one all-sampling call at ``max_batch`` are run;
     the device's peak memory after each is compared with the gate's prediction.
     """
-    from dspark_jax.proposer import Proposer, _host_inputs
+    from dspark_jax.packed_inputs import host_inputs
+    from dspark_jax.proposer import Proposer
 
     with _cache_every_entry():
         cfg = draft_config(shapes)
@@ -782,7 +783,7 @@ def _compile_worker(shapes: BenchShapes, max_batch: int, *, workers: int, measur
             for _ in range(MEMORY_REPEATS):
                 for mode in ("greedy", "sampling"):
                     temps, top_k = (np.asarray(a) for a in sampling_params(max_batch, mode))
-                    _, ints, temps = _host_inputs(host["bonus"], host["prefix_lens"], temps, top_k, None)
+                    _, ints, temps = host_inputs(host["bonus"], host["prefix_lens"], temps, top_k, None)
                     packed, packed_key = proposer._pack_inputs(max_batch, ints, temps, key)
                     run = functools.partial(measured, mode)
                     proposer._folded_round(max_batch, inp["cache"], packed, packed_key, mode == "sampling", run=run)

@@ -72,6 +72,23 @@ from dspark_jax.memory_gate import (
     plan_folded_sampling,
     sampling_extra_bytes,
 )
+from dspark_jax.packed_inputs import (
+    BONUS_COL,
+    CALL_ARGS,
+    INT_COLUMNS,
+    KEY_COL,
+    PREFIX_COL,
+    SLOT_COL,
+    TOP_K_COL,
+    call_inputs,
+    check_mode,
+    fetched,
+    pack_on_device,
+    pack_on_host,
+    row_ints,
+    sampling_rows,
+    unpack,
+)
 from dspark_jax.proposal import DraftBlock, run_eager, validate_proposal_inputs
 from dspark_jax.race_kernel import use_race_kernel
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, key_rows
@@ -144,45 +161,7 @@ def _gather(cache: ContextCache, slots: jax.Array) -> ContextCache:
     return ContextCache(k=cache.k[:, slots], v=cache.v[:, slots])  # [L, Bp, C, KVH, D]
 
 
-def _keys(rows_data: jax.Array, per_row: jax.Array, key: jax.Array) -> jax.Array:
-    """Raw per-row keys ``[Bp, n]``: the given rows' ones, or ``fold_in(key, b)`` of one typed key."""
-    index = jnp.arange(rows_data.shape[0], dtype=jnp.uint32)
-    folded = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, index)
-    return jnp.where(per_row, rows_data, jax.random.key_data(folded))
-
-
-# Columns of the packed per-row inputs: one host-to-device copy a call instead of seven.
-_SLOTS, _BONUS, _PREFIX, _TOP_K, _TEMPS, _PER_ROW, _KEY = range(7)
-_COLUMNS = ("slot", "bonus", "prefix_len", "top_k")  # the integer columns' names
 _LEAFLESS = ("slicer",)  # programs that read none of the draft's leaves
-_NAMES = ("cache", "bonus", "prefix_lens", "temperatures", "top_k", "key", "slots")  # a call's arguments
-
-
-def _row_ints(packed: jax.Array, limits: tuple[int, ...]) -> jax.Array:
-    """``[Bp, 4]`` int32 slot, bonus, prefix_len and top_k of the packed inputs, each clamped
-    into ``[0, limit]``.
-
-    ``Proposer`` checks a call's values on the host while the device runs (README note 58)
-    and raises for any out of range, dropping the round; the clamp keeps such a round's reads
-    inside the cache and the tables until then. Valid values pass unchanged.
-    """
-    return jnp.clip(packed[:, :_TEMPS].astype(jnp.int32), 0, jnp.asarray(limits, jnp.int32))
-
-
-def _unpack(limits: tuple[int, ...], packed: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
-    """``[Bp, 6 + n]`` uint32 packed inputs and the call's typed key → the round's arrays.
-
-    See ``Proposer._pack_inputs`` for the columns and :func:`_row_ints` for ``limits``.
-    """
-    ints = _row_ints(packed, limits)
-    return {
-        "slots": ints[:, _SLOTS],
-        "bonus": ints[:, _BONUS],
-        "prefix_lens": ints[:, _PREFIX],
-        "top_k": ints[:, _TOP_K],
-        "temperatures": jax.lax.bitcast_convert_type(packed[:, _TEMPS], jnp.float32),
-        "keys": _keys(packed[:, _KEY:], packed[0, _PER_ROW] != 0, key),
-    }
 
 
 def _backbone_piece(split: SplitRound, limits: tuple[int, ...], start: int, stop: int, leaves, x, cache, packed):
@@ -190,17 +169,18 @@ def _backbone_piece(split: SplitRound, limits: tuple[int, ...], start: int, stop
     copied to the device once, by the first launch, for the later pieces."""
     # The slots go to the draft, not through a gather: the GPU attention kernel reads the
     # requests' context where it lies (the XLA path gathers inside the draft).
-    ints = _row_ints(packed, limits)
-    x = split.backbone(leaves, x, cache, ints[:, _BONUS], ints[:, _PREFIX], ints[:, _SLOTS], start=start, stop=stop)
+    ints = row_ints(packed, limits)
+    bonus, prefix_lens, slots = ints[:, BONUS_COL], ints[:, PREFIX_COL], ints[:, SLOT_COL]
+    x = split.backbone(leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
     return (x, packed) if start == 0 else x
 
 
 def _front_piece(split: SplitRound, limits: tuple[int, ...], stop: int, width: int, leaves, cache, *rows):
     """The first backbone piece of device inputs (README note 62): packs ``rows`` =
     ``(bonus, prefix_lens, temperatures, top_k, slots)`` (``[Bp]`` each, ``slots`` None for
-    ``0..Bp−1``) in-graph as :func:`_pack_on_device` does, then runs as
+    ``0..Bp−1``) in-graph as :func:`pack_on_device` does, then runs as
     :func:`_backbone_piece` with ``start == 0`` (returns ``(x, packed)``)."""
-    packed = _pack_on_device(rows[0].shape[0], width, *rows, None)
+    packed = pack_on_device(rows[0].shape[0], width, *rows, None)
     return _backbone_piece(split, limits, 0, stop, leaves, None, cache, packed)
 
 
@@ -220,7 +200,7 @@ class _Front(NamedTuple):
 
 
 def _head_piece(split: SplitRound, limits: tuple[int, ...], fold_sampling: bool, leaves, x, packed, key):
-    inp = _unpack(limits, packed, key)
+    inp = unpack(limits, packed, key)
     return split.head(
         leaves,
         x,
@@ -233,81 +213,8 @@ def _head_piece(split: SplitRound, limits: tuple[int, ...], fold_sampling: bool,
 
 
 def _eager_inputs(limits, cache, packed, key):
-    inp = _unpack(limits, packed, key)
+    inp = unpack(limits, packed, key)
     return _gather(cache, inp["slots"]), inp
-
-
-def _host_inputs(bonus, prefix_lens, temperatures, top_k, slots) -> tuple[int, np.ndarray, np.ndarray]:
-    """A call's per-row inputs as packed, unchecked (``Proposer._check`` checks them):
-    ``(B, ints [B, 4], temperatures float32 [B])``, ``ints`` the int64 columns slot, bonus,
-    prefix_len and top_k (a uint64 beyond int64 wraps negative, a float truncates: the
-    checks refuse both).
-
-    Raises:
-      Exception: whatever NumPy raises for inputs of unequal or wrong shapes.
-    """
-    bonus = np.asarray(bonus)
-    rows = bonus.shape[0]
-    columns = (np.arange(rows) if slots is None else slots, bonus, prefix_lens, top_k)
-    with np.errstate(over="ignore"):  # a float64 1e39 becomes inf, which the checks refuse
-        temps = np.asarray(temperatures).astype(np.float32)
-    return rows, np.stack(columns, axis=1, dtype=np.int64, casting="unsafe"), temps
-
-
-def _call_inputs(args: tuple[Any, ...]) -> tuple[int, np.ndarray, np.ndarray]:
-    """:func:`_host_inputs` of a call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)``."""
-    _, bonus, prefix_lens, temperatures, top_k, _, slots = args
-    return _host_inputs(bonus, prefix_lens, temperatures, top_k, slots)
-
-
-def _pack_on_device(bucket: int, width: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
-    """The packed inputs of :meth:`Proposer._pack_inputs`, built on the device from arrays
-    already there: ``[B]`` each (``slots`` None for ``0..B−1``; ``row_keys`` per-row keys,
-    typed ``[B]`` or raw ``[B, n]``, or None) → ``[Bp, width]`` uint32, rows ``>= B`` zero
-    (padding).
-
-    Integers pass as their low 32 bits (what the host packing keeps of an int64), so the
-    in-graph clamp (:func:`_row_ints`) sees the same values; the host checks the inputs
-    themselves (``Proposer._check``).
-    """
-    rows = bonus.shape[0]
-    slots = jnp.arange(rows, dtype=jnp.uint32) if slots is None else slots
-    columns = [x.astype(jnp.uint32) for x in (slots, bonus, prefix_lens, top_k)]
-    columns.append(jax.lax.bitcast_convert_type(temperatures.astype(jnp.float32), jnp.uint32))
-    packed = jnp.zeros((bucket, width), jnp.uint32).at[:rows, :_PER_ROW].set(jnp.stack(columns, axis=1))
-    if row_keys is None:
-        return packed
-    packed = packed.at[:, _PER_ROW].set(1)
-    return packed.at[:rows, _KEY:].set(_key_data(row_keys).astype(jnp.uint32))
-
-
-def _key_data(keys: Any) -> Any:
-    """Per-row keys' raw data ``[B, n]``: typed keys' words, raw data as given."""
-    return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
-
-
-def _sampling_rows(top_k: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
-    """``[B]`` True for the rows that sample: on the host, the complement of
-    :func:`~dspark_jax.sampling.greedy_rows`."""
-    return (top_k > 1) & (temperatures > 0)
-
-
-def _check_mode(sampling: bool, ints: np.ndarray, temps: np.ndarray) -> None:
-    """Raises where ``sampling=False`` was given for rows that sample."""
-    samples = _sampling_rows(ints[:, _TOP_K], temps)
-    if not sampling and samples.any():
-        raise ValueError(
-            f"sampling=False but rows {np.flatnonzero(samples).tolist()} sample (temperature > 0 and top_k > 1): "
-            "pass sampling=True or None for such batches"
-        )
-
-
-def _fetched(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A call's ``(cache, bonus, prefix_lens, temperatures, top_k, key, slots)`` with the
-    per-row arrays on the host (NumPy; host values pass unchanged)."""
-    cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
-    bonus, prefix_lens, temperatures, top_k, slots = jax.device_get((bonus, prefix_lens, temperatures, top_k, slots))
-    return cache, bonus, prefix_lens, temperatures, top_k, key, slots
 
 
 def _unpad(rows, block):
@@ -493,7 +400,7 @@ class Proposer:
     # ------------------------------------------------------------ compiling
     def _packed_spec(self, bucket: int) -> jax.ShapeDtypeStruct:
         """Abstract packed per-row inputs ``[Bp, 6 + n]`` (see :meth:`_pack_inputs`)."""
-        return jax.ShapeDtypeStruct((bucket, _KEY + self._key_words), jnp.uint32)
+        return jax.ShapeDtypeStruct((bucket, KEY_COL + self._key_words), jnp.uint32)
 
     @functools.cached_property
     def _key_spec(self) -> jax.ShapeDtypeStruct:
@@ -627,13 +534,13 @@ class Proposer:
         rows_shape = (self.cache_shape[0], bucket, *self.cache_shape[2:])  # [L, Bp, C, KVH, D]
         rows = ContextCache(k=jnp.zeros(rows_shape, self.cache_dtype), v=jnp.zeros(rows_shape, self.cache_dtype))
         ints = np.zeros((bucket, 4), np.int64)  # slot, bonus, prefix_len 0; no top-k
-        ints[:, _TOP_K] = TOP_K_ALL
+        ints[:, TOP_K_COL] = TOP_K_ALL
         packed, key = self._pack_inputs(bucket, ints, np.ones(bucket, np.float32), jax.random.key(0))
-        self._eager_round(rows, jax.jit(functools.partial(_unpack, self._limits))(packed, key))
+        self._eager_round(rows, jax.jit(functools.partial(unpack, self._limits))(packed, key))
         self._eager[bucket] = gather
 
     def _eager_round(self, rows: ContextCache, inp: dict[str, jax.Array]) -> DraftBlock:
-        """The eager path over gathered cache rows and unpacked inputs (see :func:`_unpack`)."""
+        """The eager path over gathered cache rows and unpacked inputs (see :func:`unpack`)."""
         return run_eager(
             self.graphdef,
             self.state,
@@ -714,13 +621,9 @@ class Proposer:
         return next(b for b in self.buckets if b >= rows)
 
     def _pack_inputs(self, bucket: int, ints: np.ndarray, temps: np.ndarray, key: Any) -> tuple[np.ndarray, jax.Array]:
-        """Host-side padding to ``bucket`` rows, packed into one ``[Bp, 6 + n]`` uint32 array.
-
-        Columns: slot, bonus, prefix_len, top_k (``ints [B, 4]``; values outside
-        ``[0, 2³²)`` wrap, which ``_check`` refuses), the temperature's float32 bits
-        (``temps [B]``), a per-row key flag
-        (every row alike), then the ``n`` words of the row's raw key when keys are given per
-        row. Padded rows: slot 0, bonus 0, prefix_len 0, greedy.
+        """:func:`~dspark_jax.packed_inputs.pack_on_host` of a call's checked-later inputs
+        (``ints [B, 4]``, ``temps [B]`` as :func:`~dspark_jax.packed_inputs.host_inputs`
+        gives them; values outside ``[0, 2³²)`` wrap, which ``_check`` refuses).
 
         Returns:
           ``(packed, key)``: ``key`` is the call's one typed key (row ``b`` samples with
@@ -728,15 +631,8 @@ class Proposer:
           is never copied back to the host; with per-row keys it is a placeholder and the
           keys' data travel in ``packed`` (read on the host: it waits for them).
         """
-        rows = len(ints)
-        packed = np.zeros((bucket, _KEY + self._key_words), np.uint32)
-        packed[:rows, :_TEMPS] = ints
-        packed[:rows, _TEMPS] = temps.view(np.uint32)
         row_keys, key = self._round_key(key)
-        if row_keys is not None:
-            packed[:, _PER_ROW] = 1
-            packed[:rows, _KEY:] = np.asarray(_key_data(row_keys), np.uint32)
-        return packed, key
+        return pack_on_host(bucket, KEY_COL + self._key_words, ints, temps, row_keys), key
 
     def _round_key(self, key: Any) -> tuple[Any, jax.Array]:
         """A call's key → ``(per-row keys or None, the typed key the round takes)``: one key
@@ -815,7 +711,7 @@ class Proposer:
             raise TypeError(f"sampling={sampling!r} is invalid: must be True, False or None (decided from the rows)")
         sampling = None if sampling is None else bool(sampling)
         args = (cache, bonus, prefix_lens, temperatures, top_k, key, slots)
-        named = (*zip(_NAMES, args, strict=True), *(("cache", getattr(cache, part, None)) for part in "kv"))
+        named = (*zip(CALL_ARGS, args, strict=True), *(("cache", getattr(cache, part, None)) for part in "kv"))
         traced = sorted({name for name, a in named if isinstance(a, jax.core.Tracer)})
         if traced:
             raise TypeError(
@@ -826,18 +722,18 @@ class Proposer:
             block = self._device_call(args, sampling)
             if block is not None:
                 return block
-            args = _fetched(args)  # the host path checks them first and names what is wrong
+            args = fetched(args)  # the host path checks them first and names what is wrong
         try:
-            rows, ints, temps = _call_inputs(args)
+            rows, ints, temps = call_inputs(args)
             bucket = self.bucket(rows)  # StopIteration above max_batch
             packed, key = self._pack_inputs(bucket, ints, temps, args[5])
         except Exception:  # inputs the packing cannot take: the checks name the field
             self._check(args, None, None)
             raise
-        rows_sample = bool(_sampling_rows(ints[:, _TOP_K], temps).any())
+        rows_sample = bool(sampling_rows(ints[:, TOP_K_COL], temps).any())
         if sampling is False and rows_sample:
             self._check(args, ints, temps)
-            _check_mode(False, ints, temps)
+            check_mode(False, ints, temps)
         sampling = rows_sample if sampling is None else sampling
         eager = sampling and not self.gate.enabled
         if eager or not self._ready(bucket, sampling):
@@ -878,14 +774,14 @@ class Proposer:
             block = self._folded_round(bucket, cache, inputs, round_key, sampling)
         except Exception:  # e.g. a cache the programs do not take: the host path names it
             return None
-        host = _fetched(args)  # waits for the inputs (not for the round), copies them to the host
+        host = fetched(args)  # waits for the inputs (not for the round), copies them to the host
         try:
-            rows, ints, temps = _call_inputs(host)
+            rows, ints, temps = call_inputs(host)
         except Exception:
             self._check(host, None, None)
             raise
         self._check(host, ints, temps)
-        _check_mode(sampling, ints, temps)
+        check_mode(sampling, ints, temps)
         return self._unpadded(rows, bucket, sampling, block)
 
     def _front_takes(self, bucket: int, rows: _Front) -> bool:
@@ -905,15 +801,15 @@ class Proposer:
         if last is not None and last[0] is temperatures and last[1] is top_k:
             return last[2]
         temps, ks = (np.asarray(a) for a in jax.device_get((temperatures, top_k)))
-        sampling = bool(_sampling_rows(ks, temps).any())
+        sampling = bool(sampling_rows(ks, temps).any())
         if isinstance(temperatures, jax.Array) and isinstance(top_k, jax.Array):
             self._last_mode = (temperatures, top_k, sampling)
         return sampling
 
     @functools.cached_property
     def _device_packer(self) -> Callable[..., jax.Array]:
-        """:func:`_pack_on_device` jitted, for the device inputs no front program takes."""
-        return jax.jit(_pack_on_device, static_argnums=(0, 1))
+        """:func:`pack_on_device` jitted, for the device inputs no front program takes."""
+        return jax.jit(pack_on_device, static_argnums=(0, 1))
 
     def _front_jobs(
         self, bucket: int, slots: tuple[bool, ...] = (False, True)
@@ -932,7 +828,7 @@ class Proposer:
             if loaded is not None:
                 self._programs[name] = loaded
                 continue
-            fn = functools.partial(_front_piece, self._split, self._limits, stop, _KEY + self._key_words)
+            fn = functools.partial(_front_piece, self._split, self._limits, stop, KEY_COL + self._key_words)
             args = (self._cache_spec(), ints, ints, temps, ints, ints if with_slots else None)
             fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
             self._sub_leaves[_leaves_name(name)] = sub
@@ -940,10 +836,10 @@ class Proposer:
             yield name, functools.partial(lowered.compile, compiler_options=backbone_compile_options(bucket))
 
     def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
-        """:func:`_pack_on_device`, jitted (compiled at its first use per input signature):
+        """:func:`pack_on_device`, jitted (compiled at its first use per input signature):
         the packed inputs of device arrays that no front program takes."""
         return self._device_packer(
-            bucket, _KEY + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
+            bucket, KEY_COL + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
         )
 
     def _unpadded(self, rows: int, bucket: int, sampling: bool, block: DraftBlock) -> DraftBlock:
@@ -1007,9 +903,9 @@ class Proposer:
             )
         if ints is None:
             return  # the caller re-raises the packing's own error
-        allowed = ", ".join(f"{n} in [0, {hi}]" for n, hi in zip(_COLUMNS, self._limits, strict=True))
+        allowed = ", ".join(f"{n} in [0, {hi}]" for n, hi in zip(INT_COLUMNS, self._limits, strict=True))
         raise ValueError(  # not reached: the validator refuses every value refused above
-            f"per-row inputs out of range: rows ({', '.join(_COLUMNS)}) = {ints.tolist()}, allowed {allowed}; "
+            f"per-row inputs out of range: rows ({', '.join(INT_COLUMNS)}) = {ints.tolist()}, allowed {allowed}; "
             f"temperatures {temps.tolist()} must be >= 0 and finite"
         )
 

@@ -10,6 +10,7 @@ from draft_testing import random_draft, tiny_config
 from flax import nnx
 from proposer_testing import CAPACITY, CFG, SLOTS, make_cache, random_call
 
+from dspark_jax import packed_inputs
 from dspark_jax import proposer as proposer_module
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
@@ -125,7 +126,7 @@ def test_folded_round_hook_sees_each_program_and_changes_nothing(forced):
     args["top_k"] = np.full(4, TOP_K_ALL)
     key = jax.random.key(7)
     whole = proposer(cache, **args, key=key)
-    _, ints, temps = proposer_module._host_inputs(
+    _, ints, temps = packed_inputs.host_inputs(
         *(args[k] for k in ("bonus", "prefix_lens", "temperatures", "top_k", "slots"))
     )
     packed, packed_key = proposer._pack_inputs(4, ints, temps, key)
@@ -279,7 +280,7 @@ def test_any_integer_dtype_and_sequences_draft_the_same_rows(forced):
     block = proposer(cache, **other, key=key)
     np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(reference.draft_tokens))
     np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(reference.corrected_logits))
-    rows, ints, temps = proposer_module._host_inputs(
+    rows, ints, temps = packed_inputs.host_inputs(
         *(other[k] for k in ("bonus", "prefix_lens", "temperatures", "top_k", "slots"))
     )
     assert rows == 3 and ints.dtype == np.int64 and temps.dtype == np.float32
@@ -318,7 +319,7 @@ def test_in_graph_clamp_keeps_wrapped_values_inside_their_ranges():
     ints = np.array([[0, 5, 10, 1], [2**32 - 1, 40, 11, 2**31], [3, 2**31 + 7, 2**32 - 2, 2**30]], np.uint64)
     packed = np.zeros((3, 8), np.uint32)
     packed[:, :4] = ints.astype(np.uint32)
-    got = np.asarray(proposer_module._row_ints(jnp.asarray(packed), limits))
+    got = np.asarray(packed_inputs.row_ints(jnp.asarray(packed), limits))
     np.testing.assert_array_equal(got, [[0, 5, 10, 1], [0, 39, 10, 0], [3, 0, 0, 2**30]])
 
 
@@ -363,7 +364,7 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
     compiles), others to the jitted packing and the first piece."""
     draft, proposer, cache = forced
     rng = np.random.default_rng(21)
-    width = proposer_module._KEY + proposer._key_words
+    width = packed_inputs.KEY_COL + proposer._key_words
     for rows, bucket in ((3, 4), (4, 4), (1, 1)):
         args = random_call(rng, draft.cfg.vocab_size, rows)
         key = jax.random.key(rows)
