@@ -361,8 +361,14 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
     padding included), and the blocks equal the host inputs' blocks; bucket-sized int32
     inputs with one key go to the precompiled front program, which packs them itself (its
     packed output and residual stream equal the first piece's of the host packing; nothing
-    compiles), others to the jitted packing and the first piece."""
+    compiles), others to the jitted packing and the first piece.
+
+    The front and the first piece are two programs, compiled apart: on a GPU XLA's
+    autotuner may pick another GEMM tiling for each, which sums in another order, so there
+    their floats agree to float32 rounding (measured on the H200: 6.7e-6 at most) and the
+    tokens exactly; on the CPU bit for bit."""
     draft, proposer, cache = forced
+    tol = 0.0 if jax.default_backend() == "cpu" else 1e-4
     rng = np.random.default_rng(21)
     width = packed_inputs.KEY_COL + proposer._key_words
     for rows, bucket in ((3, 4), (4, 4), (1, 1)):
@@ -388,7 +394,7 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
                 piece = proposer._programs["piece", bucket, 0, stop]
                 want_x, _ = piece(proposer._sub_leaves["piece", 0, stop], None, cache, host)
                 np.testing.assert_array_equal(np.asarray(packed), host)
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
+                np.testing.assert_allclose(np.asarray(x), np.asarray(want_x), rtol=tol, atol=tol)
                 assert not proposer._front_takes(bucket, front._replace(bonus=bonus[:-1]))
                 assert not proposer._front_takes(bucket, front._replace(temperatures=temps.astype(jnp.bfloat16)))
     packed_seen = _spy_rounds(proposer, monkeypatch)
@@ -411,8 +417,12 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             else:
                 assert isinstance(packed_seen[-1], jax.Array)
             for got, want in zip(jax.tree.leaves(block), jax.tree.leaves(expected), strict=True):
-                assert got.shape == want.shape
-                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                assert got.shape == want.shape and got.dtype == want.dtype
+                got, want = np.asarray(got), np.asarray(want)
+                if np.issubdtype(got.dtype, np.floating):
+                    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
+                else:
+                    np.testing.assert_array_equal(got, want)  # tokens, greedy mask
 
 
 def test_a_bucket_compiles_its_front_program_at_its_first_device_call():
