@@ -467,23 +467,35 @@ class Proposer:
         hidden = jax.ShapeDtypeStruct((bucket, cfg.num_query_rows, cfg.hidden_size), cfg.jnp_dtype)
         names = [("piece", bucket, start, stop) for start, stop in self._split.ranges] + [("head", bucket, sampling)]
         for name in names:
-            if name in self._programs or name in skip:
-                continue
-            loaded = self._load(name)
-            if loaded is not None:
-                self._programs[name] = loaded
+            if name in skip:
                 continue
             if name[0] == "piece":
                 start, stop = name[2:]
                 fn = functools.partial(_backbone_piece, self._split, self._limits, start, stop)
                 args = (None if start == 0 else hidden, self._cache_spec(), self._packed_spec(bucket))
+                job = self._round_job(name, fn, args, backbone_compile_options(bucket))
             else:
                 fn = functools.partial(_head_piece, self._split, self._limits, sampling)
-                args = (hidden, self._packed_spec(bucket), self._key_spec)
-            fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
-            self._sub_leaves[_leaves_name(name)] = sub
-            options = backbone_compile_options(bucket) if name[0] == "piece" else None
-            yield name, functools.partial(jax.jit(fn).lower(sub, *args).compile, compiler_options=options)
+                job = self._round_job(name, fn, (hidden, self._packed_spec(bucket), self._key_spec), None)
+            if job is not None:
+                yield job
+
+    def _round_job(
+        self, name: tuple[Any, ...], fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any] | None
+    ) -> tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]] | None:
+        """``(name, compile)`` of the round program ``fn(leaves, *args)`` (a backbone piece,
+        a front or a head), lowered now over the leaves it reads and compiled with
+        ``options``; None where it is compiled already or was found in the executable store
+        (then installed)."""
+        if name in self._programs:
+            return None
+        loaded = self._load(name)
+        if loaded is not None:
+            self._programs[name] = loaded
+            return None
+        fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
+        self._sub_leaves[_leaves_name(name)] = sub
+        return name, functools.partial(jax.jit(fn).lower(sub, *args).compile, compiler_options=options)
 
     def _compile_folded(self, bucket: int, sampling: bool) -> None:
         """Compiles (or loads) what the (bucket, mode) round still lacks."""
@@ -820,20 +832,12 @@ class Proposer:
         builds them; otherwise a bucket's first device call compiles the one it needs."""
         ints, temps = jax.ShapeDtypeStruct((bucket,), jnp.int32), jax.ShapeDtypeStruct((bucket,), jnp.float32)
         stop = self._split.ranges[0][1]
+        fn = functools.partial(_front_piece, self._split, self._limits, stop, KEY_COL + self._key_words)
         for with_slots in slots:
-            name = ("front", bucket, with_slots)
-            if name in self._programs:
-                continue
-            loaded = self._load(name)
-            if loaded is not None:
-                self._programs[name] = loaded
-                continue
-            fn = functools.partial(_front_piece, self._split, self._limits, stop, KEY_COL + self._key_words)
             args = (self._cache_spec(), ints, ints, temps, ints, ints if with_slots else None)
-            fn, sub = self._split.pruned(_leaves_name(name), fn, *args)
-            self._sub_leaves[_leaves_name(name)] = sub
-            lowered = jax.jit(fn).lower(sub, *args)
-            yield name, functools.partial(lowered.compile, compiler_options=backbone_compile_options(bucket))
+            job = self._round_job(("front", bucket, with_slots), fn, args, backbone_compile_options(bucket))
+            if job is not None:
+                yield job
 
     def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
         """:func:`pack_on_device`, jitted (compiled at its first use per input signature):
