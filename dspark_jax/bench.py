@@ -182,7 +182,7 @@ def random_context(cfg: DraftConfig, batch: int, capacity: int, key: jax.Array) 
     return ContextCache(k=make(kk), v=make(kv))
 
 
-def _sampling_rows(batch: int, mode: str) -> np.ndarray:
+def _mode_sampling_rows(batch: int, mode: str) -> np.ndarray:
     """``[B]`` bool: the rows that sample in a benchmark batch of ``mode`` (see :func:`sampling_params`)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
@@ -198,7 +198,7 @@ def sampling_params(batch: int, mode: str) -> tuple[jax.Array, jax.Array]:
     """
     from dspark_jax.sampling import TOP_K_ALL
 
-    sample = _sampling_rows(batch, mode)
+    sample = _mode_sampling_rows(batch, mode)
     temps = np.where(sample, 1.0, 0.0).astype(np.float32)
     top_k = np.where(sample, TOP_K_ALL, 1).astype(np.int32)
     return jnp.asarray(temps), jnp.asarray(top_k)
@@ -471,7 +471,7 @@ def _token_parity(reference: dict[str, tuple[str, np.ndarray]], mode: str, path:
     ref_path, ref = reference.setdefault(mode, (path, tokens))
     differ = tokens != ref
     out = {"tokens_reference": ref_path, "tokens_differ": int(differ.sum()), "tokens_compared": tokens.size}
-    sample = _sampling_rows(tokens.shape[0], mode)
+    sample = _mode_sampling_rows(tokens.shape[0], mode)
     if (differ.any(axis=1) & sample).any():
         out["tokens_differ_sampling_rows"] = int((differ.any(axis=1) & sample).sum())
     logits = getattr(block, "corrected_logits", None)
