@@ -400,7 +400,7 @@ class Proposer:
     # ------------------------------------------------------------ compiling
     def _packed_spec(self, bucket: int) -> jax.ShapeDtypeStruct:
         """Abstract packed per-row inputs ``[Bp, 6 + n]`` (see :meth:`_pack_inputs`)."""
-        return jax.ShapeDtypeStruct((bucket, KEY_COL + self._key_words), jnp.uint32)
+        return jax.ShapeDtypeStruct((bucket, self._width), jnp.uint32)
 
     @functools.cached_property
     def _key_spec(self) -> jax.ShapeDtypeStruct:
@@ -644,7 +644,7 @@ class Proposer:
           keys' data travel in ``packed`` (read on the host: it waits for them).
         """
         row_keys, key = self._round_key(key)
-        return pack_on_host(bucket, KEY_COL + self._key_words, ints, temps, row_keys), key
+        return pack_on_host(bucket, self._width, ints, temps, row_keys), key
 
     def _round_key(self, key: Any) -> tuple[Any, jax.Array]:
         """A call's key → ``(per-row keys or None, the typed key the round takes)``: one key
@@ -660,8 +660,9 @@ class Proposer:
         return jax.random.key(0)
 
     @functools.cached_property
-    def _key_words(self) -> int:
-        return int(jax.random.key_data(jax.random.key(0)).shape[-1])
+    def _width(self) -> int:
+        """``6 + n``: the packed inputs' columns, ``n`` the words of a raw key."""
+        return KEY_COL + int(jax.random.key_data(jax.random.key(0)).shape[-1])
 
     def _program(self, name: tuple[Any, ...]) -> Alternating:
         if name not in self._programs:
@@ -692,9 +693,10 @@ class Proposer:
         cannot take, the eager path and programs not yet compiled are checked first.
 
         Inputs already on the device (``bonus`` a ``jax.Array``, as a serving loop gets it
-        from verification) are packed there by a small precompiled program, so the call
-        neither waits for them nor copies them through the host before the round is
-        launched; they are read back to be checked after the launch (README note 59). Pass
+        from verification) are packed there, by the round's first piece where they are
+        bucket-sized int32 / float32 with one key, so the call neither waits for them nor
+        copies them through the host before the round is launched; they are read back to be
+        checked after the launch (README notes 59, 62). Pass
         ``sampling`` with them to skip reading the temperatures and top-k before the launch.
 
         Args:
@@ -832,7 +834,7 @@ class Proposer:
         builds them; otherwise a bucket's first device call compiles the one it needs."""
         ints, temps = jax.ShapeDtypeStruct((bucket,), jnp.int32), jax.ShapeDtypeStruct((bucket,), jnp.float32)
         stop = self._split.ranges[0][1]
-        fn = functools.partial(_front_piece, self._split, self._limits, stop, KEY_COL + self._key_words)
+        fn = functools.partial(_front_piece, self._split, self._limits, stop, self._width)
         for with_slots in slots:
             args = (self._cache_spec(), ints, ints, temps, ints, ints if with_slots else None)
             job = self._round_job(("front", bucket, with_slots), fn, args, backbone_compile_options(bucket))
@@ -842,9 +844,7 @@ class Proposer:
     def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
         """:func:`pack_on_device`, jitted (compiled at its first use per input signature):
         the packed inputs of device arrays that no front program takes."""
-        return self._device_packer(
-            bucket, KEY_COL + self._key_words, bonus, prefix_lens, temperatures, top_k, slots, row_keys
-        )
+        return self._device_packer(bucket, self._width, bonus, prefix_lens, temperatures, top_k, slots, row_keys)
 
     def _unpadded(self, rows: int, bucket: int, sampling: bool, block: DraftBlock) -> DraftBlock:
         if rows == bucket or not self.unpad:

@@ -370,7 +370,7 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
     draft, proposer, cache = forced
     tol = 0.0 if jax.default_backend() == "cpu" else 1e-4
     rng = np.random.default_rng(21)
-    width = packed_inputs.KEY_COL + proposer._key_words
+    width = packed_inputs.KEY_COL + jax.random.key_data(jax.random.key(0)).shape[-1]  # 6 + the key's words
     for rows, bucket in ((3, 4), (4, 4), (1, 1)):
         args = random_call(rng, draft.cfg.vocab_size, rows)
         key = jax.random.key(rows)
