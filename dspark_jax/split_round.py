@@ -11,11 +11,13 @@ update for a 153–181 node round, on top of the launch). The device waits for a
 a round's latency is that host time plus the device time.
 
 :class:`SplitRound` runs the same maths as :func:`~dspark_jax.proposal.propose` in
-pieces cut at layer boundaries: ``front`` (the in-graph embedding and the first
-``front_layers`` layers), ``rest`` (the remaining layers) and ``head`` (final norm, base
-logits, the Markov walk with in-graph sampling, confidence). The device starts once the
-small ``front`` graph is launched, and the host launches the next pieces while the device
-runs the earlier ones. On GPUs each piece is compiled ahead of time per input signature,
+pieces cut at layer boundaries: the backbone pieces (the first one embeds the block in the
+graph; by default layers 0, 1 and 2 one per piece, then layers 3–4, :data:`PIECE_LAYERS`) and
+``head`` (final norm, base logits, the Markov walk with in-graph sampling, confidence). The
+device starts once the small first graph is launched, and the host launches the next pieces
+while the device runs the earlier ones (short pieces first, so that each launch fits behind the
+device work already queued: README notes 33 and 64). On GPUs each piece is compiled ahead of
+time per input signature,
 reads only the draft leaves it uses (:meth:`SplitRound.pruned`) and is kept with a twin called
 in turn (:class:`Alternating`), so that a caller holding the previous block does not make
 XLA update the pieces' graphs (without twins, on the H200, every piece's graph was updated on
@@ -157,24 +159,48 @@ def _signature(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
 
 
-def layer_ranges(num_layers: int, front_layers: int) -> tuple[tuple[int, int], ...]:
-    """The backbone pieces' layer ranges ``(start, stop)``: ``[0, f)`` then ``[f, L)`` if not empty.
+PIECE_LAYERS = (1, 1, 1)
+"""Layers in each backbone piece but the last, which takes the remaining layers: the 8B draft's
+five layers run as 1 | 1 | 1 | 2. Measured on the H200 (README note 64; greedy rounds, 750
+interleaved calls per cell in each of six processes, three at batch 128), against 1 | 4: waited
+medians −0.061 ms on average at batch 1, −0.037 at 8, −0.005 at 32, −0.056 at 128; back to back
++0.013–0.027 ms (two launches more)."""
+
+
+def layer_ranges(num_layers: int, piece_layers: int | tuple[int, ...] = PIECE_LAYERS) -> tuple[tuple[int, int], ...]:
+    """The backbone pieces' layer ranges ``(start, stop)``, covering ``[0, L)`` in order.
 
     Args:
       num_layers: ``L``.
-      front_layers: ``f``, layers in the first piece (``>= 1``).
+      piece_layers: layers in each piece but the last, which takes the rest (an integer ``f``
+        means ``(f,)``: ``[0, f)`` then ``[f, L)``); pieces past the last layer are dropped
+        and the last one is cut short.
 
     Raises:
-      ValueError: ``front_layers`` is not an integer >= 1.
+      ValueError: ``piece_layers`` is not an integer >= 1 or a non-empty tuple of them.
     """
-    if isinstance(front_layers, bool) or not isinstance(front_layers, int) or front_layers < 1:
-        raise ValueError(f"front_layers={front_layers!r} is invalid: must be an integer >= 1")
-    front = min(front_layers, num_layers)
-    return ((0, front),) if front == num_layers else ((0, front), (front, num_layers))
+    counts = (piece_layers,) if isinstance(piece_layers, int) and not isinstance(piece_layers, bool) else piece_layers
+    if (
+        not isinstance(counts, tuple)
+        or not counts
+        or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+    ):
+        raise ValueError(
+            f"piece_layers={piece_layers!r} is invalid: must be an integer >= 1 or a non-empty tuple of them"
+        )
+    ranges, start = [], 0
+    for count in counts:
+        if start >= num_layers:
+            break
+        ranges.append((start, min(start + count, num_layers)))
+        start = ranges[-1][1]
+    if start < num_layers:
+        ranges.append((start, num_layers))
+    return tuple(ranges)
 
 
 class SplitRound:
-    """The folded round as ``front → rest → head`` executables (see the module docstring).
+    """The folded round as backbone pieces then a head, one executable each (see the module docstring).
 
     Example::
 
@@ -191,7 +217,7 @@ class SplitRound:
         self,
         draft: DSparkDraft,
         *,
-        front_layers: int = 1,
+        piece_layers: int | tuple[int, ...] = PIECE_LAYERS,
         twin_programs: bool | None = None,
         fuse_qkv: bool = True,
     ):
@@ -199,7 +225,7 @@ class SplitRound:
 
         Args:
           draft: the draft module.
-          front_layers: layers in the first piece (the rest form the second).
+          piece_layers: layers in each backbone piece but the last (:func:`layer_ranges`).
           twin_programs: compile each piece ahead of time per input signature and call it
             and its twin in turn (:class:`Alternating`), so that a caller holding the
             previous block does not make XLA update the pieces' CUDA graphs. Default: on
@@ -216,7 +242,7 @@ class SplitRound:
         self._pieces: dict[Any, tuple[tuple[Alternating, list[jax.Array]], ...]] = {}
         self._heads: dict[Any, tuple[Alternating, list[jax.Array]]] = {}
         self.cfg = draft.cfg
-        self.ranges = layer_ranges(draft.cfg.num_hidden_layers, front_layers)
+        self.ranges = layer_ranges(draft.cfg.num_hidden_layers, piece_layers)
         self.graphdef, state = nnx.split(draft)
         # A flat list of arrays: flattening an nnx.State on every call costs host time.
         self.leaves, self._treedef = jax.tree.flatten(state)

@@ -51,32 +51,37 @@ def _assert_same_block(a, b):
 
 
 def test_layer_ranges_cover_every_layer_once():
+    assert layer_ranges(5) == ((0, 1), (1, 2), (2, 3), (3, 5))  # the default, PIECE_LAYERS
     assert layer_ranges(5, 1) == ((0, 1), (1, 5))
     assert layer_ranges(5, 3) == ((0, 3), (3, 5))
+    assert layer_ranges(5, (2, 1)) == ((0, 2), (2, 3), (3, 5))
+    assert layer_ranges(5, (1, 1, 1, 1, 1, 1)) == tuple((i, i + 1) for i in range(5))
+    assert layer_ranges(3, (1, 4, 1)) == ((0, 1), (1, 3))  # cut short at the last layer
     assert layer_ranges(1, 1) == ((0, 1),)
+    assert layer_ranges(1) == ((0, 1),)
     assert layer_ranges(2, 7) == ((0, 2),)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"front_layers=.* is invalid: must be an integer >= 1"):
+    for bad in (0, -1, 1.5, True, (), (1, 0), (1, True), [1, 1], "1"):
+        with pytest.raises(ValueError, match=r"piece_layers=.* is invalid: must be an integer >= 1 or a non-empty"):
             layer_ranges(5, bad)
 
 
-@pytest.mark.parametrize("front_layers", [1, 2, 3])
+@pytest.mark.parametrize("piece_layers", [1, 2, 3, (1, 1)])
 @pytest.mark.parametrize("fold_sampling", [True, False])
-def test_split_round_equals_one_program_round(three_layers, front_layers, fold_sampling, monkeypatch):
+def test_split_round_equals_one_program_round(three_layers, piece_layers, fold_sampling, monkeypatch):
     draft, cache, inputs = three_layers
-    if front_layers == 2:  # the plain-jit pieces compiled with the cuBLAS option (no effect on the CPU)
+    if piece_layers == 2:  # the plain-jit pieces compiled with the cuBLAS option (no effect on the CPU)
         monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")
     key = jax.random.key(11)
     graphdef, state = nnx.split(draft)
     whole = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     want = whole(graphdef, state, cache, **inputs, key=key, fold_sampling=fold_sampling)
-    split = SplitRound(draft, front_layers=front_layers)
-    assert len(split.ranges) == (1 if front_layers == 3 else 2)
+    split = SplitRound(draft, piece_layers=piece_layers)
+    assert len(split.ranges) == {1: 2, 2: 2, 3: 1, (1, 1): 3}[piece_layers]
     got = split(cache, **inputs, key=key, fold_sampling=fold_sampling)
     _assert_same_block(got, want)
     jax.block_until_ready(split(cache, **inputs, key=jax.random.key(12), fold_sampling=fold_sampling))
     _assert_same_block(got, want)  # a later round never writes into a block the caller holds
-    assert list(split._backbones) == [(("xla_gpu_enable_triton_gemm", False),) if front_layers == 2 else None]
+    assert list(split._backbones) == [(("xla_gpu_enable_triton_gemm", False),) if piece_layers == 2 else None]
     if fold_sampling:  # the sampling rows really sampled from the folded noise
         assert not np.asarray(got.greedy_mask)[1:3].any()
 
@@ -170,7 +175,7 @@ def test_backbone_gemm_choice_per_batch_and_backend(monkeypatch):
 
 def test_pieces_take_only_the_leaves_they_read(three_layers, monkeypatch):
     draft, cache, inputs = three_layers
-    split = SplitRound(draft, twin_programs=True, front_layers=1)
+    split = SplitRound(draft, twin_programs=True, piece_layers=1)
     monkeypatch.setenv(BACKBONE_GEMM_ENV, "cublas")  # on the CPU the option changes nothing
     asked, compile_program = [], jax.stages.Lowered.compile
     monkeypatch.setattr(
