@@ -214,7 +214,7 @@ HF_ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("make", "field", "value", "allowed"), HF_ERRORS, ids=lambda x: str(x)[:30])
+@pytest.mark.parametrize(("make", "field", "value", "allowed"), HF_ERRORS, ids=lambda x: "make" if callable(x) else str(x)[:30])
 def test_from_hf_config_rejects_bad_files_naming_field_value_and_allowed(make, field, value, allowed):
     with pytest.raises(ValueError, match=_message(field, value, allowed)):
         DraftConfig.from_hf_config(make())
