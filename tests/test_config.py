@@ -214,7 +214,12 @@ HF_ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("make", "field", "value", "allowed"), HF_ERRORS, ids=lambda x: "make" if callable(x) else str(x)[:30])
+def _case_id(value):
+    """A parameter's test id: stable between collections (a lambda's repr holds its address)."""
+    return "make" if callable(value) else str(value)[:30]
+
+
+@pytest.mark.parametrize(("make", "field", "value", "allowed"), HF_ERRORS, ids=_case_id)
 def test_from_hf_config_rejects_bad_files_naming_field_value_and_allowed(make, field, value, allowed):
     with pytest.raises(ValueError, match=_message(field, value, allowed)):
         DraftConfig.from_hf_config(make())
