@@ -497,6 +497,7 @@ def bench_propose(
     profile: bool,
     modes: tuple[str, ...] = MODES,
     paths: tuple[str, ...] = PATHS,
+    cuts: tuple[int | tuple[int, ...], ...] = (),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
@@ -512,7 +513,10 @@ def bench_propose(
     and the mode, as a serving loop holds them after verification: packed on the device by
     the first backbone piece, which the first call per bucket compiles, checked after the
     launch, README notes 59 and 62) and ``eager``
-    (:func:`~dspark_jax.proposal.propose_eager`).
+    (:func:`~dspark_jax.proposal.propose_eager`). Each of ``cuts`` (a
+    :class:`~dspark_jax.split_round.SplitRound` ``piece_layers``) adds the split paths once more
+    with the backbone cut that way, named by the pieces' layer counts (``split_greedy@1|4``),
+    timed in the same interleaved rounds (README note 64).
 
     Every row also compares the path's draft tokens with those of the first path timed for
     its batch and mode, from the same inputs and key (:func:`_token_parity`); the Proposer
@@ -532,6 +536,11 @@ def bench_propose(
     static = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     draft = nnx.merge(graphdef, state)
     split = SplitRound(draft)
+    # (path name, its split round) for each extra backbone cut, timed beside the default
+    cut_rounds: dict[str, SplitRound] = {}
+    for cut in cuts:
+        extra = SplitRound(draft, piece_layers=cut)
+        cut_rounds.setdefault("@" + "|".join(str(stop - start) for start, stop in extra.ranges), extra)
     capacity = context + 2 * cfg.num_query_rows
     if {"proposer", "proposer_device"} & set(paths):
         proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
@@ -546,14 +555,16 @@ def bench_propose(
         pending: list[tuple[dict[str, Any], Callable[[], Any]]] = []  # (row so far, its call)
         reference: dict[str, tuple[str, np.ndarray]] = {}  # mode -> first path's tokens (_token_parity)
         proposer_blocks: dict[tuple[str, str], Any] = {}  # (path, mode) -> the Proposer's first DraftBlock
-        for path, fold_sampling, path_modes in (
-            ("folded_greedy", False, ("greedy",)),
-            ("folded", True, MODES),
-            ("split_greedy", False, ("greedy",)),
-            ("split", True, MODES),
-            ("jit_static", False, ("greedy",)),
-        ):
-            path_modes = [m for m in path_modes if m in modes] if path in paths else []
+        variants = [
+            ("folded_greedy", False, ("greedy",), None),
+            ("folded", True, MODES, None),
+            ("split_greedy", False, ("greedy",), split),
+            ("split", True, MODES, split),
+            ("jit_static", False, ("greedy",), None),
+        ]
+        variants += [(p + label, f, m, r) for label, r in cut_rounds.items() for p, f, m, _ in variants[2:4]]
+        for path, fold_sampling, path_modes, split_round in variants:
+            path_modes = [m for m in path_modes if m in modes] if path.split("@")[0] in paths else []
             cost = round_cost(cfg, batch, context, folded_sampling=fold_sampling)
             floor, bound = floor_ms(cost, bandwidth, ceilings["matmul_flops_per_s"])
             floor_copy, _ = floor_ms(cost, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
@@ -562,8 +573,8 @@ def bench_propose(
                 args = (inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
                 if path == "jit_static":
                     fn, args = static, (graphdef, state, *args)
-                elif path.startswith("split"):
-                    fn = split
+                elif split_round is not None:
+                    fn = split_round
                 else:
                     fn, args = folded, (leaves, *args)
 
@@ -1053,8 +1064,9 @@ def format_table(result: dict[str, Any]) -> str:
         gemms = f"cuBLAS at batches {on}, XLA's choice at the others" if on else "XLA's choice"
         lines.append(f"split round's backbone GEMMs: {gemms} ({BACKBONE_GEMM_ENV}={meta['backbone_gemm']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
+    width = max([15] + [len(r["path"]) for r in result.get("propose", [])])  # the path column
     header = (
-        f"{'batch':>5} {'mode':<8} {'path':<15} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
+        f"{'batch':>5} {'mode':<8} {'path':<{width}} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
         f"{'released':>8} {'spin':>7} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
         f"{'graph/jax':>9} {'graph/spin':>10}"
@@ -1073,7 +1085,7 @@ def format_table(result: dict[str, Any]) -> str:
         paired = r["path"] in (("folded_greedy", "split_greedy") if r["mode"] == "greedy" else ("folded", "split"))
         graph = torch_rows.get((*key, "graph")) if paired else None
         lines.append(
-            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<15} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+            f"{r['batch']:>5} {r['mode']:<8} {r['path']:<{width}} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
             f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('released_median_ms')):>8} "
             f"{_fmt(r.get('spin_median_ms')):>7} "
             f"{_fmt(r.get('floor_ms')):>7} "
@@ -1183,6 +1195,19 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
+def _cuts(text: str) -> tuple[tuple[int, ...], ...]:
+    """``--cuts``: ``:``-separated cuts, each a comma-separated :class:`SplitRound` ``piece_layers``."""
+    try:
+        cuts = tuple(tuple(int(n) for n in cut.split(",")) for cut in text.split(":"))
+    except ValueError:
+        cuts = None
+    if not cuts or any(not cut or min(cut) < 1 for cut in cuts):
+        raise argparse.ArgumentTypeError(
+            f"--cuts={text!r} is invalid: must be ':'-separated cuts of comma-separated layer counts >= 1, e.g. 1:1,1,1"
+        )
+    return cuts
+
+
 def _race_tunings(text: str) -> tuple[RaceTuning, ...]:
     """``--race-tunings``: comma-separated ``P:W:K`` (:meth:`RaceTuning.parse`)."""
     try:
@@ -1234,6 +1259,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="with --walk: race-kernel layouts P:W:K (blocks per program, warps, pick warps) timed besides the default",
     )
+    parser.add_argument(
+        "--cuts",
+        type=_cuts,
+        default=(),
+        help="backbone cuts timed beside the default, as the split paths: pieces' layer counts but the last's, "
+        "e.g. 1:1,1,1 (1 | 4 and 1 | 1 | 1 | 2 for five layers)",
+    )
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
@@ -1267,6 +1299,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
+    if args.cuts and not {"split_greedy", "split"} & set(args.paths):
+        raise ValueError("--cuts times the split paths: add split_greedy or split to --paths, or drop --cuts")
     if args.race_tunings and not args.walk:
         raise ValueError("--race-tunings is only used with --walk: add --walk, or drop --race-tunings")
     if args.compile_worker:
@@ -1351,6 +1385,7 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         profile=args.profile,
         modes=args.modes,
         paths=args.paths,
+        cuts=args.cuts,
     )
     _save(args.out, result)
     if args.walk:

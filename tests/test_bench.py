@@ -1,5 +1,6 @@
 """The benchmark runs at tiny shapes on a CPU and reports what it promises (no timing assertions)."""
 
+import argparse
 import copy
 import json
 import os
@@ -19,7 +20,7 @@ _ON_GPU = jax.default_backend() == "gpu"
 def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
-    argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--out", str(out)]
+    argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2", "--out", str(out)]
     before = os.environ.get(bench.BACKBONE_GEMM_ENV)
     with pytest.MonkeyPatch.context() as patch:
         # recorded, so the context restores the variable the run sets (delenv of an unset name
@@ -39,9 +40,15 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     for mode in bench.MODES:
         for path in ("folded", "split", "proposer", "proposer_device", "eager"):
             assert (1, mode, path) in seen
+    # --cuts 2: the split paths again with the tiny draft's two layers in one backbone piece
+    assert (1, "greedy", "split_greedy@2") in seen
+    assert {(1, mode, "split@2") for mode in bench.MODES} <= seen
+    assert not any(p.endswith("@1|1") for _, _, p in seen)  # the default cut is not timed twice unasked
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0 and r["spin_median_ms"] > 0
+        if "@" in r["path"]:  # same inputs and key as the default cut: same tokens
+            assert r["tokens_compared"] > 0 and r["tokens_differ"] == 0, r
         if r["path"].startswith(("folded", "split")):
             assert r["floor_ms"] > 0 and r["floor_bound"] in ("bytes", "flops")
 
@@ -284,3 +291,16 @@ def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
     assert heads[0] - heads[1] == corrected  # the heads' outputs differ by the corrected logits alone
     assert mem["sampling_round_peak_bytes"] - mem["greedy_round_peak_bytes"] == mem["sampling_extra_bytes"] > 0
     assert out["gate"]["enabled"] and out["gate"]["needed_bytes"] == out["gate"]["compiled_bytes"]
+
+
+def test_cuts_flag_parses_and_needs_a_split_path(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--cuts", "1:1,1,1"]).cuts == ((1,), (1, 1, 1))
+    assert parser.parse_args([]).cuts == ()
+    for bad in ("", "1:", "0", "1,x", "1,-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--cuts", bad])
+        assert f"--cuts={bad!r} is invalid: must be ':'-separated cuts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--cuts times the split paths: add split_greedy or split to --paths"):
+        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", "--cuts", "1"])
