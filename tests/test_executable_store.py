@@ -83,12 +83,16 @@ def test_key_depends_on_parts_environment_and_configuration(monkeypatch, tmp_pat
     base = store.key("head", 4, True)
     assert store.key("head", 4, True) == base
     assert store.key("head", 8, True) != base
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    flags = os.environ.get("XLA_FLAGS")  # the suite's own on CPU-only machines (conftest)
+    monkeypatch.setenv("XLA_FLAGS", f"{flags or ''} --xla_dump_to=/nowhere")
     flagged = store.key("head", 4, True)
     assert flagged != base
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))  # where caches live is no part of it
     assert store.key("head", 4, True) == flagged
-    monkeypatch.delenv("XLA_FLAGS")
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     previous = jax.config.jax_default_matmul_precision  # "highest" (conftest)
     jax.config.update("jax_default_matmul_precision", "bfloat16")
