@@ -42,6 +42,7 @@ between two tokens may then go either way).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -188,15 +189,9 @@ def layer_ranges(num_layers: int, piece_layers: int | tuple[int, ...] = PIECE_LA
         raise ValueError(
             f"piece_layers={piece_layers!r} is invalid: must be an integer >= 1 or a non-empty tuple of them"
         )
-    ranges, start = [], 0
-    for count in counts:
-        if start >= num_layers:
-            break
-        ranges.append((start, min(start + count, num_layers)))
-        start = ranges[-1][1]
-    if start < num_layers:
-        ranges.append((start, num_layers))
-    return tuple(ranges)
+    # the cut points: the counts' running sums, capped at the last layer
+    cuts = sorted({0, num_layers, *(min(total, num_layers) for total in itertools.accumulate(counts))})
+    return tuple(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 class SplitRound:
