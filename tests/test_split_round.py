@@ -42,11 +42,11 @@ def three_layers():
     return draft, cache, inputs
 
 
-def _assert_same_block(a, b):
+def _assert_same_block(a, b, rtol=1e-7):
     np.testing.assert_array_equal(np.asarray(a.draft_tokens), np.asarray(b.draft_tokens))
     np.testing.assert_array_equal(np.asarray(a.greedy_mask), np.asarray(b.greedy_mask))
-    np.testing.assert_allclose(np.asarray(a.corrected_logits), np.asarray(b.corrected_logits), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(a.confidence), np.asarray(b.confidence), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a.corrected_logits), np.asarray(b.corrected_logits), rtol=rtol, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.confidence), np.asarray(b.confidence), rtol=rtol, atol=1e-6)
     assert a.corrected_logits.shape == b.corrected_logits.shape
 
 
@@ -75,12 +75,16 @@ def test_split_round_equals_one_program_round(three_layers, piece_layers, fold_s
     graphdef, state = nnx.split(draft)
     whole = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     want = whole(graphdef, state, cache, **inputs, key=key, fold_sampling=fold_sampling)
-    split = SplitRound(draft, piece_layers=piece_layers)
+    # plain-jit pieces (the twin programs, GPU's default, are tested below)
+    split = SplitRound(draft, piece_layers=piece_layers, twin_programs=False)
     assert len(split.ranges) == {1: 2, 2: 2, 3: 1, (1, 1): 3}[piece_layers]
     got = split(cache, **inputs, key=key, fold_sampling=fold_sampling)
-    _assert_same_block(got, want)
+    # on GPUs the cuBLAS pieces sum float32 products in another order than the one program's
+    # Triton GEMMs (on the H200: 1.2e-5 apart at most, 8.7e-6 relative)
+    rtol = 5e-5 if piece_layers == 2 else 1e-7
+    _assert_same_block(got, want, rtol)
     jax.block_until_ready(split(cache, **inputs, key=jax.random.key(12), fold_sampling=fold_sampling))
-    _assert_same_block(got, want)  # a later round never writes into a block the caller holds
+    _assert_same_block(got, want, rtol)  # a later round never writes into a block the caller holds
     assert list(split._backbones) == [(("xla_gpu_enable_triton_gemm", False),) if piece_layers == 2 else None]
     if fold_sampling:  # the sampling rows really sampled from the folded noise
         assert not np.asarray(got.greedy_mask)[1:3].any()
@@ -160,7 +164,8 @@ CUBLAS = {"xla_gpu_enable_triton_gemm": False}
 
 def test_backbone_gemm_choice_per_batch_and_backend(monkeypatch):
     monkeypatch.delenv(BACKBONE_GEMM_ENV, raising=False)
-    assert CUBLAS_BATCHES and all(backbone_compile_options(b) is None for b in (1, 8, 16, 64, 128))  # CPU
+    monkeypatch.setattr(split_round.jax, "default_backend", lambda: "cpu")
+    assert CUBLAS_BATCHES and all(backbone_compile_options(b) is None for b in (1, 8, 16, 64, 128))
     monkeypatch.setattr(split_round.jax, "default_backend", lambda: "gpu")
     for batch in (1, 2, 4, 8, 16, 32, 64, 128, 12):
         assert backbone_compile_options(batch) == (CUBLAS if batch in CUBLAS_BATCHES else None), batch
