@@ -306,12 +306,13 @@ def test_block_mass_is_exact_whatever_the_order():
 
 
 def test_ties_inside_a_block_go_to_lowest_id():
+    sample = jax.jit(sample_step)  # one compile, not one per primitive
     greedy_logits = np.array([[0.0, 1.0, 0.0, 5.0, 0.0, 2.0, 0.0, 5.0]], np.float32)
-    got = sample_step(greedy_logits, np.ones(1, np.float32), np.array([True]), jax.random.key(0))
+    got = sample(greedy_logits, np.ones(1, np.float32), np.array([True]), jax.random.key(0))
     assert int(got[0]) == 3
     sampled_logits = np.array([[-np.inf, 0.0, np.inf, 0.0, np.inf, 2.0, 0.0, 5.0]], np.float32)
     for seed in range(4):
-        got = sample_step(sampled_logits, np.ones(1, np.float32), np.array([False]), jax.random.key(seed))
+        got = sample(sampled_logits, np.ones(1, np.float32), np.array([False]), jax.random.key(seed))
         assert int(got[0]) == 2
 
 

@@ -19,6 +19,7 @@ from dspark_jax.race_kernel import (
 )
 
 INTERPRET = jax.default_backend() != "gpu"  # on GPUs the compiled kernel
+_sample_step = jax.jit(S.sample_step, static_argnames="race_dtype")  # one compile, not one per primitive
 
 
 def _walk_inputs(batch, gamma, vocab, seed):
@@ -42,7 +43,7 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(words[:, step]), np.asarray(S._key_words(S.step_keys(keys, step))))
         tokens, corrected = race_step(base, bias[step], corrected, temps, greedy, words, step, interpret=INTERPRET)
         logits = base[:, step].astype(jnp.float32) + bias[step].astype(jnp.float32)
-        want = S.sample_step(logits, temps, greedy, S.step_keys(keys, step), race_dtype=base.dtype)
+        want = _sample_step(logits, temps, greedy, S.step_keys(keys, step), race_dtype=base.dtype)
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
         assert corrected.dtype == base.dtype  # kept in the base logits' dtype, rounded from float32
         np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
@@ -150,7 +151,7 @@ def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch):
         assert sampling.any() and not sampling.all()
         for k in range(cfg.gamma):  # replay step k's race on the returned (kept) logits
             step = (block.corrected_logits[:, k], block.temperatures, block.greedy_mask, S.step_keys(keys, k))
-            again = np.asarray(S.sample_step(*step))
+            again = np.asarray(_sample_step(*step))
             np.testing.assert_array_equal(again[sampling], np.asarray(block.draft_tokens)[sampling, k])
     la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
     assert la.shape == lb.shape == (4, cfg.gamma, cfg.vocab_size)
