@@ -536,7 +536,7 @@ def bench_propose(
     static = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
     draft = nnx.merge(graphdef, state)
     split = SplitRound(draft)
-    # (path name, its split round) for each extra backbone cut, timed beside the default
+    # path suffix ("@1|4") -> the split round of each extra backbone cut, timed beside the default
     cut_rounds: dict[str, SplitRound] = {}
     for cut in cuts:
         extra = SplitRound(draft, piece_layers=cut)
@@ -562,8 +562,9 @@ def bench_propose(
             ("split", True, MODES, split),
             ("jit_static", False, ("greedy",), None),
         ]
-        variants += [(p + label, f, m, r) for label, r in cut_rounds.items() for p, f, m, _ in variants[2:4]]
-        for path, fold_sampling, path_modes, split_round in variants:
+        split_variants = [v for v in variants if v[3] is split]
+        variants += [(p + label, f, m, cut) for label, cut in cut_rounds.items() for p, f, m, _ in split_variants]
+        for path, fold_sampling, path_modes, split_of_path in variants:
             path_modes = [m for m in path_modes if m in modes] if path.split("@")[0] in paths else []
             cost = round_cost(cfg, batch, context, folded_sampling=fold_sampling)
             floor, bound = floor_ms(cost, bandwidth, ceilings["matmul_flops_per_s"])
@@ -573,8 +574,8 @@ def bench_propose(
                 args = (inp["cache"], inp["bonus"], inp["prefix_lens"], temps, top_k, key)
                 if path == "jit_static":
                     fn, args = static, (graphdef, state, *args)
-                elif split_round is not None:
-                    fn = split_round
+                elif split_of_path is not None:
+                    fn = split_of_path
                 else:
                     fn, args = folded, (leaves, *args)
 
