@@ -62,6 +62,7 @@ from dspark_jax.split_round import (
     backbone_gemm_choice,
 )
 from dspark_jax.target import KVCache, Qwen3Target
+from dspark_jax.tile_race_kernel import TILE_RACE_CHOICES, TILE_RACE_ENV, tile_race_choice, use_tile_race_kernel
 
 MODES = ("greedy", "mixed", "sampling")
 PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "proposer_device", "eager")
@@ -1054,8 +1055,11 @@ def format_table(result: dict[str, Any]) -> str:
         kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
     if "race" in meta:
-        kernel = "fused Pallas kernel per step" if meta.get("race_kernel") else "XLA"
-        lines.append(f"folded walk's sampling step: {kernel} ({RACE_ENV}={meta['race']})")
+        race = "race Pallas kernel per step" if meta.get("race_kernel") else "XLA"
+        on = meta.get("tile_race_kernel") or []
+        kernel = f"two tiled Pallas kernels per step at batches {on}, {race} at the others" if on else race
+        choices = f"{TILE_RACE_ENV}={meta.get('tile_race', '-')}, {RACE_ENV}={meta['race']}"
+        lines.append(f"folded walk's sampling step: {kernel} ({choices})")
     if "greedy" in meta:
         on = meta.get("greedy_kernel") or []
         kernel = f"two Pallas kernels per step at batches {on}, XLA at the others" if on else "XLA"
@@ -1231,7 +1235,8 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 # flag, choices, environment variable it sets, what it chooses
 _ENV_FLAGS = (
     ("attention", ATTENTION_CHOICES, ATTENTION_ENV, "the draft's context attention"),
-    ("race", RACE_CHOICES, RACE_ENV, "the folded walk's sampling step"),
+    ("tile_race", TILE_RACE_CHOICES, TILE_RACE_ENV, "the folded walk's tiled kernels"),
+    ("race", RACE_CHOICES, RACE_ENV, "the folded walk's race kernel where the tiled ones do not run"),
     ("greedy", GREEDY_CHOICES, GREEDY_ENV, "the greedy-only walk's step"),
     ("gemm", BACKBONE_GEMM_CHOICES, BACKBONE_GEMM_ENV, "the split round's backbone GEMMs"),
 )
@@ -1272,7 +1277,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
     for flag, choices, variable, what in _ENV_FLAGS:
         parser.add_argument(
-            f"--{flag}",
+            f"--{flag.replace('_', '-')}",
             choices=choices,
             default=None,
             help=f"{what} (sets {variable}; default: the environment's, else auto)",
@@ -1364,6 +1369,10 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         device=device.device_kind,
         attention=attention_choice(),
         attention_kernel=use_kernel(cfg.jnp_dtype, cfg.head_dim, shapes.context + 2 * cfg.num_query_rows)[0],
+        tile_race=tile_race_choice(),
+        tile_race_kernel=[
+            b for b in batches if use_tile_race_kernel(cfg.markov_rank, cfg.jnp_dtype, cfg.vocab_size, b)[0]
+        ],
         race=race_choice(),
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
         greedy=greedy_choice(),

@@ -10,12 +10,16 @@ Paths, each its own compiled program over the same inputs:
 
 * ``greedy_only``: ``fold_sampling=False`` (every row takes the argmax; the program a
   greedy-only bucket runs);
-* ``folded``: the folded sampler as the round runs it here (the race kernel on GPUs);
-* ``folded_xla``: the folded sampler with :data:`~dspark_jax.race_kernel.RACE_ENV` set to
-  ``xla``, timed only where ``folded`` uses the kernel;
+* ``folded``: the folded sampler as the round runs it here (on GPUs the tiled race kernels,
+  :mod:`dspark_jax.tile_race_kernel`);
+* ``folded_race``: the folded sampler with :data:`~dspark_jax.tile_race_kernel.TILE_RACE_ENV`
+  set to ``xla`` (the race kernel per step, :mod:`dspark_jax.race_kernel`), timed only where
+  ``folded`` uses the tiled kernels and the race kernel applies;
+* ``folded_xla``: the folded sampler with both variables set to ``xla`` (the XLA sampler),
+  timed only where ``folded`` uses a kernel;
 * ``folded_p{P}w{W}k{K}``: the race kernel with another
-  :class:`~dspark_jax.race_kernel.RaceTuning` (``--race-tunings P:W:K,…``), where ``folded``
-  uses the kernel: the layouts to try, side by side in one process.
+  :class:`~dspark_jax.race_kernel.RaceTuning` (``--race-tunings P:W:K,…``), where it
+  applies: the layouts to try, side by side in one process.
 
 Each row gives the median of calls waited for, the per-call time of calls dispatched back
 to back (``pipelined``) and that per step (``step_us``), and whether its tokens equal the
@@ -42,23 +46,24 @@ from dspark_jax.bench import sampling_params, time_calls
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import returned_corrected, walk_block
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel
+from dspark_jax.tile_race_kernel import TILE_RACE_ENV, use_tile_race_kernel
 
-WALK_PATHS = ("greedy_only", "folded", "folded_xla")
+WALK_PATHS = ("greedy_only", "folded", "folded_race", "folded_xla")
 
 
 @contextlib.contextmanager
-def _race_env(value: str | None) -> Iterator[None]:
-    """Sets :data:`RACE_ENV` to ``value`` (``None``: leaves it) for the ``with`` block."""
-    previous = os.environ.get(RACE_ENV)
-    if value is not None:
-        os.environ[RACE_ENV] = value
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Sets the environment variables ``values`` for the ``with`` block (then restores them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(RACE_ENV, None)
-        else:
-            os.environ[RACE_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling, tuning):
@@ -104,11 +109,12 @@ def bench_walk(
       batches: batch sizes.
       modes: subset of :data:`dspark_jax.bench.MODES`.
       iters: timed calls per loop of :func:`~dspark_jax.bench.time_call`.
-      tunings: race-kernel layouts timed besides the default, where the kernel runs.
+      tunings: race-kernel layouts timed besides the default, where the kernel applies.
 
     Returns:
-      One dict per (batch, mode, path): ``batch``, ``mode``, ``path``, ``kernel`` (the race
-      kernel ran), ``tuning`` (its layout's label, None for the default or XLA),
+      One dict per (batch, mode, path): ``batch``, ``mode``, ``path``, ``kernel`` (the
+      folded walk's kernel that ran: ``tiles``, ``race`` or None), ``tuning`` (the race
+      kernel's layout label, None for the default or XLA),
       :func:`~dspark_jax.bench.time_call`'s statistics, ``step_us``,
       ``tokens_reference``, ``tokens_differ``, ``tokens_compared``.
 
@@ -118,28 +124,35 @@ def bench_walk(
     if draft.markov_head is None:
         raise ValueError("bench_walk needs a draft with a Markov head: markov_head is None")
     gamma = draft.cfg.block_size
-    kernel = use_race_kernel(draft.cfg.vocab_size)[0]
+    head = draft.markov_head
+    race = use_race_kernel(draft.cfg.vocab_size)[0]
+    no_tiles = {TILE_RACE_ENV: "xla"}
     graphdef, state = nnx.split(draft.markov_head)
     rows = []
     for batch in batches:
+        tiles = use_tile_race_kernel(head.rank, head.dtype, draft.cfg.vocab_size, batch)[0]
         inputs = walk_inputs(draft, batch)
         calls, results, meta = {}, {}, {}
         for mode in modes:
             temperatures, top_k = sampling_params(batch, mode)
             args = (state, inputs["base"], inputs["hidden"], inputs["bonus"], temperatures, top_k, inputs["key"])
-            paths = [("folded", True, None, None)]
+            # (path, fold_sampling, environment, race tuning, the kernel it runs)
+            paths = [("folded", True, {}, None, "tiles" if tiles else "race" if race else None)]
             if mode == "greedy":
-                paths.insert(0, ("greedy_only", False, None, None))
-            if kernel:
-                paths.append(("folded_xla", True, "xla", None))
-                paths += [(f"folded_{t.label}", True, None, t) for t in tunings]
-            for path, fold_sampling, race, tuning in paths:
+                paths.insert(0, ("greedy_only", False, {}, None, None))
+            if tiles and race:
+                paths.append(("folded_race", True, no_tiles, None, "race"))
+            if tiles or race:
+                paths.append(("folded_xla", True, {TILE_RACE_ENV: "xla", RACE_ENV: "xla"}, None, None))
+            if race:
+                paths += [(f"folded_{t.label}", True, no_tiles, t, "race") for t in tunings]
+            for path, fold_sampling, env, tuning, ran in paths:
                 fn = jax.jit(functools.partial(_walk, graphdef, fold_sampling=fold_sampling, tuning=tuning))
-                with _race_env(race):  # read while tracing: compile now, inside the block
+                with _env(env):  # read while tracing: compile now, inside the block
                     compiled = fn.lower(*args).compile()
                 calls[(mode, path)] = functools.partial(compiled, *args)
                 results[(mode, path)] = np.asarray(calls[(mode, path)]()[0])
-                meta[(mode, path)] = (kernel and race is None and fold_sampling, tuning and tuning.label)
+                meta[(mode, path)] = (ran, tuning and tuning.label)
         timed = time_calls(calls, iters=iters)
         for (mode, path), stats in timed.items():
             reference = "greedy_only" if mode == "greedy" else "folded"
@@ -149,7 +162,7 @@ def bench_walk(
                     "batch": batch,
                     "mode": mode,
                     "path": path,
-                    "kernel": bool(meta[(mode, path)][0]),
+                    "kernel": meta[(mode, path)][0],
                     "tuning": meta[(mode, path)][1],
                     **stats,
                     "step_us": 1e3 * stats["pipelined_ms"] / gamma,

@@ -270,6 +270,31 @@ def pick_tiles(
     return tokens[:, 0], e
 
 
+def first_latent_rows(head: MarkovHead, bonus: jax.Array) -> jax.Array:
+    """``[BR, r]``: the anchors' ``markov_w1`` rows (``prev`` of step 0), zero padding rows."""
+    w1 = head.markov_w1[...]
+    total = padded_rows(bonus.shape[0])
+    return jnp.zeros((total, head.rank), w1.dtype).at[: bonus.shape[0]].set(jnp.take(w1, bonus, axis=0, mode="clip"))
+
+
+def padded_latents(
+    head: MarkovHead, state: jax.Array, e: jax.Array, hidden: jax.Array, batch: int
+) -> tuple[jax.Array, jax.Array]:
+    """A walk step's latents for the kernels: ``(z [BR, r] in the head's dtype, state [B, r])``.
+
+    Args:
+      head: the Markov head.
+      state: ``[B, r]`` its recurrent state.
+      e: ``[BR, r]`` the previous tokens' ``markov_w1`` rows (zero padding rows).
+      hidden: ``[B, H]`` this slot's draft hidden states.
+      batch: ``B``.
+    """
+    if isinstance(head, VanillaMarkovHead):  # z = e: the padded rows go in as they are
+        return e.astype(head.dtype), state
+    z, state = head.latent(state, e[:batch].astype(head.dtype), hidden)
+    return jnp.zeros((e.shape[0], head.rank), head.dtype).at[:batch].set(z.astype(head.dtype)), state
+
+
 def greedy_markov_walk(
     head: MarkovHead,
     base_logits: jax.Array,
@@ -295,18 +320,13 @@ def greedy_markov_walk(
       with :func:`dspark_jax.sampling.greedy_step` picks them.
     """
     batch, gamma = base_logits.shape[:2]
-    total = padded_rows(batch)
     w1 = head.markov_w1[...]
     w2 = head.markov_w2[...].astype(head.dtype)  # as MarkovHead.project multiplies
     state = head.init_state(batch)
-    e = jnp.zeros((total, head.rank), w1.dtype).at[:batch].set(jnp.take(w1, bonus, axis=0, mode="clip"))
+    e = first_latent_rows(head, bonus)
     tokens = []
     for k in range(gamma):
-        if isinstance(head, VanillaMarkovHead):  # z = e: the padded rows go in as they are
-            z = e.astype(head.dtype)
-        else:
-            z, state = head.latent(state, e[:batch].astype(head.dtype), hidden[:, k])
-            z = jnp.zeros((total, head.rank), head.dtype).at[:batch].set(z.astype(head.dtype))
+        z, state = padded_latents(head, state, e, hidden[:, k], batch)
         top, idx = greedy_tiles(z, w2, base_logits, k, batch=batch, interpret=interpret, tuning=tuning)
         token, e = pick_tiles(top, idx, w1, batch=batch, interpret=interpret)
         tokens.append(token[:batch])

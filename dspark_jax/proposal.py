@@ -46,6 +46,7 @@ from dspark_jax.sampling import (
     sample_step,
     step_keys,
 )
+from dspark_jax.tile_race_kernel import tiled_race_walk, use_tile_race_kernel
 
 
 @struct.dataclass
@@ -390,8 +391,9 @@ def walk_block(
     fold_sampling: bool = True,
     race_tuning: RaceTuning | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The round's Markov walk over its base logits (pure): with folding, the race kernel per
-    step where :func:`~dspark_jax.race_kernel.use_race_kernel` says so; without, the greedy
+    """The round's Markov walk over its base logits (pure): with folding, the tiled race kernels
+    where :func:`~dspark_jax.tile_race_kernel.use_tile_race_kernel` says so, else the race kernel
+    per step where :func:`~dspark_jax.race_kernel.use_race_kernel` says so; without, the greedy
     kernels where :func:`~dspark_jax.greedy_kernel.use_greedy_kernel` says so; else the XLA
     walk.
 
@@ -414,6 +416,12 @@ def walk_block(
     keys = row_keys(key, batch) if fold_sampling else None  # no noise without folding
     kernel, interpret = False, False
     if fold_sampling and head is not None:
+        tiled, interpret = use_tile_race_kernel(head.rank, head.dtype, base.shape[-1], batch)
+        if tiled:  # two kernels per step, the [B, V] bias never in memory
+            tokens, corrected = tiled_race_walk(
+                head, base, slot_hidden, bonus, temps, greedy, keys, interpret=interpret
+            )
+            return tokens, corrected, greedy, temps
         kernel, interpret = use_race_kernel(base.shape[-1])
     elif head is not None:
         greedy_kernel, interpret = use_greedy_kernel(head.rank, head.dtype, batch)

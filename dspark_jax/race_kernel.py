@@ -82,13 +82,14 @@ class RaceTuning:
       warps: warps per program of the block kernel.
       pick_warps: warps per program of the pick kernel.
 
-    The defaults are the setting measured on the H200 (README notes 47 and 48): 2 warps per
-    block program were faster than 4 at every batch, 8 per pick program faster than 4 at
-    batches 1–32, and 2, 4 or 8 blocks per program slower than 1 (the masked tiles cost more
-    than the fewer programs save).
+    The defaults are the setting measured on the H200 (README notes 47, 48 and 66): 2 warps
+    per block program were faster than 4 at every batch, 8 per pick program faster than 4 at
+    batches 1–32; with race blocks of 1024 tokens one block per program was fastest, and with
+    blocks of 128 (note 66) 8 per program (1024 tokens) took the batch-128 step from 142–216 µs
+    to 78–88.
     """
 
-    blocks_per_program: int = 1
+    blocks_per_program: int = 8
     warps: int = 2
     pick_warps: int = 8
 

@@ -19,10 +19,12 @@ distributed as ``q_v / q_S``. So draw one ``E_S ~ Exp(1)`` per block and let the
 ``argmax_S (log q_S − log E_S)`` win (probability ``q_S``), then race the winning block's
 tokens alone, ``argmax_{v∈S} (logits_v / T − log E_v)`` (probability ``q_v / q_S``): the
 token has law ``q_v``, as in the flat race. Per row and step that is ``⌈V / W⌉ + W`` draws
-instead of ``V`` (448 instead of 151936 at the Qwen3 vocabulary), and the pass over ``V`` is
+instead of ``V`` (1315 instead of 151936 at the Qwen3 vocabulary), and the pass over ``V`` is
 one ``exp`` per token (:func:`block_mass`) instead of a hash and two ``log``s; on the H200
 the fused step of an all-sampling batch of 128 rows took 75 µs against 99 µs for the flat
-race (README note 47).
+race (README note 47). Blocks are 128 tokens (README note 66; 1024 before): the vocabulary
+tile of :mod:`dspark_jax.tile_race_kernel`, which forms each block's corrected logits and
+races it in one pass, so a block must fit one program's tile.
 
 ``log q_S`` (up to the row's constant) is ``top + log(mass · 2⁻³⁰)`` with ``top`` the
 block's largest ``logits / T`` and ``mass`` the integer sum of ``round(exp(x − top) · 2³⁰)``
@@ -71,7 +73,7 @@ TOP_K_MAX = (1 << 31) - 1
 MIN_TEMPERATURE = 1e-5
 """Sampling temperatures are clamped below at this value."""
 
-RACE_BLOCK = 1024
+RACE_BLOCK = 128
 """Tokens per block of the two-level race (the last block of a row may be shorter; a
 vocabulary of at most this many tokens is one block)."""
 

@@ -67,6 +67,8 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     # auto: the race kernel on GPUs (the tiny vocabulary is supported), the XLA sampler elsewhere
     assert race_supported(bench.draft_config(bench.SHAPES["tiny"]).vocab_size)
     assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is _ON_GPU
+    # the tiled race kernels take 16-bit heads only, as the greedy ones
+    assert tiny_result["meta"]["tile_race"] == "auto" and tiny_result["meta"]["tile_race_kernel"] == []
     # the greedy kernels take 16-bit heads only: never for the float32 tiny shapes
     assert tiny_result["meta"]["greedy"] == "auto" and tiny_result["meta"]["greedy_kernel"] == []
     assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
@@ -76,8 +78,10 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     table = bench.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
     assert "host: a trivial jitted op is ready" in table
-    kernel = "fused Pallas kernel per step" if _ON_GPU else "XLA"
-    assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_RACE=auto)" in table
+    kernel = "race Pallas kernel per step" if _ON_GPU else "XLA"  # float32 tiny shapes: no tiled kernels
+    assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_TILE_RACE=auto, DSPARK_JAX_RACE=auto)" in table
+    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "tile_race_kernel": [1, 8]}})
+    assert f"folded walk's sampling step: two tiled Pallas kernels per step at batches [1, 8], {kernel} at" in table
     assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
     table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
     assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table

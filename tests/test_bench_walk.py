@@ -10,6 +10,7 @@ from flax import nnx
 
 from dspark_jax import bench, bench_walk
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning
+from dspark_jax.tile_race_kernel import TILE_RACE_ENV
 
 
 def _draft(**changes):
@@ -42,13 +43,30 @@ def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(ti
     tuning = RaceTuning(blocks_per_program=2, warps=1, pick_warps=4)
     rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("sampling",), iters=1, tunings=(tuning,))
     by_path = {(r["mode"], r["path"]): r for r in rows}
+    # float32: no tiled kernel, so no folded_race row
     assert set(by_path) == {("sampling", "folded"), ("sampling", "folded_xla"), ("sampling", "folded_p2w1k4")}
-    assert by_path[("sampling", "folded")]["kernel"] and not by_path[("sampling", "folded_xla")]["kernel"]
+    assert by_path[("sampling", "folded")]["kernel"] == "race" and by_path[("sampling", "folded_xla")]["kernel"] is None
     tuned = by_path[("sampling", "folded_p2w1k4")]
-    assert tuned["kernel"] and tuned["tuning"] == "p2w1k4"
+    assert tuned["kernel"] == "race" and tuned["tuning"] == "p2w1k4"
     assert by_path[("sampling", "folded")]["tuning"] is None
     assert all(r["tokens_differ"] == 0 for r in rows)
     assert os.environ[RACE_ENV] == "pallas"  # the xla path's setting was undone
+
+
+def test_walk_times_the_tiled_kernels_against_the_race_kernel_and_xla(monkeypatch):
+    monkeypatch.setenv(RACE_ENV, "pallas")
+    monkeypatch.setenv(TILE_RACE_ENV, "pallas")
+    draft = _draft(dtype="bfloat16", param_dtype="bfloat16")
+    rows = bench_walk.bench_walk(draft, batches=(2,), modes=("mixed",), iters=1)
+    by_path = {r["path"]: r for r in rows}
+    assert {p: r["kernel"] for p, r in by_path.items()} == {
+        "folded": "tiles",
+        "folded_race": "race",
+        "folded_xla": None,
+    }
+    # bf16 bias sums in another order may move a near-tie; at these shapes none moved
+    assert all(r["tokens_differ"] == 0 and r["tokens_reference"] == "folded" for r in rows)
+    assert os.environ[TILE_RACE_ENV] == "pallas" and os.environ[RACE_ENV] == "pallas"
 
 
 def test_greedy_only_walk_drops_the_corrected_logits_as_the_round_does(tiny_draft, monkeypatch):

@@ -247,41 +247,46 @@ def test_sample_step_is_the_two_level_race(vocab):
     assert expected[1] == 0 and expected[2] == 4 and expected[3] >= vocab // 2
 
 
+W = S.RACE_BLOCK
+V3 = 2 * W + W // 2  # three race blocks: [0, W), [W, 2W), [2W, V3), the last one short
+
+
 def test_ties_across_race_blocks_go_to_lowest_id():
-    vocab = 2500  # blocks [0, 1024), [1024, 2048), [2048, 2500)
+    vocab = V3
     greedy_logits = np.zeros((1, vocab), np.float32)
-    greedy_logits[0, [1030, 2400, 2499]] = 5.0
+    greedy_logits[0, [W + 6, 2 * W + 40, vocab - 1]] = 5.0
     sampled_logits = np.full((2, vocab), -np.inf, np.float32)
-    sampled_logits[0, [2400, 1030, 2000]] = np.inf  # blocks 1 and 2 tie at +inf
-    sampled_logits[1, [2400, 2100]] = np.inf
-    sampled_logits[1, :100] = 0.0
+    sampled_logits[0, [2 * W + 40, W + 6, 2 * W - 8]] = np.inf  # blocks 1 and 2 tie at +inf
+    sampled_logits[1, [2 * W + 40, 2 * W + 4]] = np.inf
+    sampled_logits[1, : W // 2] = 0.0
     step = jax.jit(sample_step)  # op by op, the Philox words' many small ops compile one by one
     for seed in range(4):
         got = step(greedy_logits, np.ones(1, np.float32), np.array([True]), jax.random.key(seed))
-        assert int(got[0]) == 1030
+        assert int(got[0]) == W + 6
         got = step(sampled_logits, np.ones(2, np.float32), np.zeros(2, bool), jax.random.key(seed))
-        np.testing.assert_array_equal(np.asarray(got), [1030, 2100])
+        np.testing.assert_array_equal(np.asarray(got), [W + 6, 2 * W + 4])
 
 
 def test_last_race_block_races_only_its_own_tokens():
     """The last block's window reads the last W tokens; those of the block before are masked.
 
-    Block 1 holds one token ``1500`` (inside that window) at ``log 452`` and block 2 its 452
-    tokens at 0: each block wins half the rows. Were 1500 raced again in block 2's window it
-    would win half of those too (share ≈ 3/4); masked, its share is ½ (|share − ½| < 0.05 is
-    over 6 standard deviations for 4000 rows).
+    Block 1 holds one token ``2W − 8`` (inside that window) at ``log(W/2)`` and block 2 its
+    ``W/2`` tokens at 0: each block wins half the rows. Were ``2W − 8`` raced again in block 2's
+    window it would win half of those too (share ≈ 3/4); masked, its share is ½ (|share − ½|
+    < 0.05 is over 6 standard deviations for 4000 rows).
     """
-    vocab, n = 2500, 4000
+    vocab, n, token = V3, 4000, 2 * W - 8
+    assert vocab - W <= token < 2 * W  # inside the last window, owned by block 1
     row = np.full(vocab, -np.inf, np.float32)
-    row[1500] = np.log(452.0)
-    row[2048:] = 0.0
+    row[token] = np.log(vocab - 2.0 * W)
+    row[2 * W :] = 0.0
     got = np.asarray(
         jax.jit(sample_step)(
             np.broadcast_to(row, (n, vocab)), np.ones(n, np.float32), np.zeros(n, bool), jax.random.key(9)
         )
     )
-    assert set(np.unique(got)) <= {1500, *range(2048, vocab)}
-    assert abs(np.mean(got == 1500) - 0.5) < 0.05
+    assert set(np.unique(got)) <= {token, *range(2 * W, vocab)}
+    assert abs(np.mean(got == token) - 0.5) < 0.05
 
 
 def test_block_mass_is_exact_whatever_the_order():

@@ -31,8 +31,8 @@ def _walk_inputs(batch, gamma, vocab, seed):
     return base, bias, temps, greedy, S.row_keys(k[2], batch)
 
 
-# one block of 512 tokens; 3 and 5 blocks per row, the last program clamped
-@pytest.mark.parametrize("batch, vocab", [(4, 512), (3, 2500), (2, 4100)])
+# one block of 64 tokens; 20 and 33 blocks per row (of S.RACE_BLOCK = 128), the last program clamped
+@pytest.mark.parametrize("batch, vocab", [(4, 64), (3, 2500), (2, 4100)])
 def test_race_step_equals_sample_step(batch, vocab):
     """Tokens and corrected logits equal the XLA walk's, step after step, for greedy and sampling rows."""
     gamma = 2
@@ -49,9 +49,10 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
 
 
-# P blocks per program: the last program's loads and stores masked past V (5 blocks with P = 4;
-# V a multiple of P·W; fewer blocks than P), tokens and corrected logits as with one block each
-@pytest.mark.parametrize("per_program, vocab", [(2, 4096), (4, 4100), (8, 3073)])
+# P blocks per program (W = 128): V a multiple of P·W; the last program's loads and stores masked
+# past V (33 blocks with P = 4); fewer blocks than P (25 with P = 32); tokens and corrected
+# logits as with one block each
+@pytest.mark.parametrize("per_program, vocab", [(2, 4096), (4, 4100), (32, 3073)])
 def test_blocks_per_program_changes_no_token(per_program, vocab):
     batch, gamma = 4, 2
     base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)
@@ -68,7 +69,7 @@ def test_blocks_per_program_changes_no_token(per_program, vocab):
 def test_race_tuning_parses_and_refuses_bad_values():
     assert RaceTuning.parse(" 4:2:8 ") == RaceTuning(blocks_per_program=4, warps=2, pick_warps=8)
     assert RaceTuning.parse("4:2:8").label == "p4w2k8"
-    assert (RACE_TUNING.blocks_per_program, RACE_TUNING.warps, RACE_TUNING.pick_warps) == (1, 2, 8)  # measured, note 47
+    assert (RACE_TUNING.blocks_per_program, RACE_TUNING.warps, RACE_TUNING.pick_warps) == (8, 2, 8)  # measured, note 66
     for field, bad, allowed in [
         ("blocks_per_program", 3, "a power of two"),
         ("blocks_per_program", 0, "a power of two"),
@@ -88,18 +89,18 @@ def test_race_tuning_parses_and_refuses_bad_values():
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0, tuning=4)
 
 
-@pytest.mark.parametrize("per_program", [1, 4])  # 4: the three blocks in one program
+@pytest.mark.parametrize("per_program", [1, 32])  # 32: the 20 blocks in one program
 def test_ties_nan_and_all_minus_inf_rows(per_program):
     """Greedy ties go to the lowest id (across blocks too), NaN counts as -inf, an all -inf row
     yields token 0, +inf sampled tokens tie and the lowest wins."""
     vocab, batch = 2500, 6
     base = jnp.zeros((batch, 1, vocab), jnp.float32)
-    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 1 and 2
+    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 8, 16 and 19
     base = base.at[1, 0, :].set(-jnp.inf)
     base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
     base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
-    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 1, 2
-    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 1's last token only
+    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 19, 11
+    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 15's last token only
     bias = jnp.zeros((batch, vocab), jnp.float32)
     greedy = jnp.array([True, True, True, False, False, False])
     temps = jnp.ones((batch,), jnp.float32)
@@ -110,21 +111,22 @@ def test_ties_nan_and_all_minus_inf_rows(per_program):
 
 
 def test_race_choice_support_and_bad_vocab(monkeypatch):
-    assert all(race_supported(v) for v in (151936, 151935, 2500, 1024, 512, 64))
-    assert not any(race_supported(v) for v in (1023, 768, 32))
+    assert S.RACE_BLOCK == 128
+    assert all(race_supported(v) for v in (151936, 151935, 2500, 1000, 128, 64))
+    assert not any(race_supported(v) for v in (127, 96, 32))
     monkeypatch.delenv(RACE_ENV, raising=False)
     assert race_choice() == "auto"
     assert use_race_kernel(512) == (jax.default_backend() == "gpu", False)
     monkeypatch.setenv(RACE_ENV, " Pallas ")
     assert use_race_kernel(512) == (True, jax.default_backend() != "gpu")
-    assert use_race_kernel(1000) == (False, False)
+    assert use_race_kernel(100) == (False, False)
     monkeypatch.setenv(RACE_ENV, "xla")
     assert use_race_kernel(512) == (False, False)
     monkeypatch.setenv(RACE_ENV, "cuda")
     with pytest.raises(ValueError, match="DSPARK_JAX_RACE='cuda' is invalid"):
         race_choice()
-    base = jnp.zeros((1, 1, 1000), jnp.float32)
-    with pytest.raises(ValueError, match="vocab=1000 is not supported by the race kernel: must be at least 1024"):
+    base = jnp.zeros((1, 1, 100), jnp.float32)
+    with pytest.raises(ValueError, match="vocab=100 is not supported by the race kernel: must be at least 128"):
         race_step(base, base[:, 0], None, jnp.ones(1), jnp.ones(1, bool), jnp.zeros((1, 1, 2), jnp.uint32), 0)
     base = jnp.zeros((1, 3, 512), jnp.float32)
     with pytest.raises(ValueError, match=r"key_words has shape \(1, 2\): must be \(B, γ, 2\) = \(1, 3, 2\)"):

@@ -69,13 +69,16 @@ def test_sampled_frequencies_match_softmax_over_temperature(temperature):
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_sampled_frequencies_match_softmax_across_race_blocks(temperature):
-    """V = 2500: three race blocks (the last one short). Cells: three strong tokens, one per
+    """V = 2W + W/2: three race blocks (the last one short). Cells: three strong tokens, one per
     block, and the rest of each block; a block weighed by its token count, or by its best
     token, instead of its mass would miss the bound by far (checked)."""
-    vocab = 2500
+    w = S.RACE_BLOCK
+    vocab = 2 * w + w // 2
+    sizes = [w, w, vocab - 2 * w]
+    strong = [5, w + 6, 2 * w + 40]
     rng = np.random.default_rng(11)
-    logits = rng.standard_normal(vocab).astype(np.float32) + np.repeat([0.0, -1.0, 1.0], [1024, 1024, vocab - 2048])
-    logits[[5, 1030, 2400]] = [3.0, 3.5, 2.5]
+    logits = rng.standard_normal(vocab).astype(np.float32) + np.repeat([1.0, -1.0, 0.0], sizes)
+    logits[strong] = [3.0, 3.0, 2.0]  # both wrong laws ≥ 10 bounds away at either temperature
     tokens = np.asarray(
         _sample(
             np.broadcast_to(logits, (N_DRAWS, vocab)),
@@ -84,13 +87,13 @@ def test_sampled_frequencies_match_softmax_across_race_blocks(temperature):
             jax.random.key(12),
         )
     )
-    cell_of = np.repeat(np.arange(3), [1024, 1024, vocab - 2048]) + 3
-    cell_of[[5, 1030, 2400]] = [0, 1, 2]
+    cell_of = np.repeat(np.arange(3), sizes) + 3
+    cell_of[strong] = [0, 1, 2]
     p = softmax(logits.astype(np.float64) / temperature)
     expected = np.bincount(cell_of, weights=p, minlength=6)
     freq = np.bincount(cell_of[tokens], minlength=6) / N_DRAWS
     bound = tv_bound(6, N_DRAWS)
-    blocks = np.repeat(np.arange(3), [1024, 1024, vocab - 2048])
+    blocks = np.repeat(np.arange(3), sizes)
     by_count = np.bincount(blocks, minlength=3) / vocab
     by_best = softmax(np.array([logits[b == blocks].max() for b in range(3)], np.float64) / temperature)
     block = np.arange(6) % 3  # the block of each cell

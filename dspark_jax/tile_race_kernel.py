@@ -1,0 +1,439 @@
+"""The folded Markov walk with each step's projection, corrected logits and block race in one
+Pallas (Triton) kernel on GPUs.
+
+Shape legend: B batch, BR padded rows (:func:`~dspark_jax.greedy_kernel.padded_rows`), γ block
+slots, V vocabulary, r Markov rank, W tokens per race block
+(:func:`~dspark_jax.sampling.race_width`), NB = ⌈V / W⌉ blocks per row.
+
+A step of the folded walk (:func:`dspark_jax.markov.markov_walk` with
+:func:`dspark_jax.sampling.sample_step`) forms the ``[B, V]`` bias ``z @ markov_w2ᵀ`` (rounded
+to the head's dtype), adds the step's base logits in float32, keeps the sum in the base
+logits' dtype as slot ``k`` of the ``[B, γ, V]`` corrected logits, and picks each row's token:
+a greedy row the argmax of the float32 sum, a sampling row by the two-level race on the kept
+values (:func:`dspark_jax.sampling.race_blocks`). The race kernel
+(:mod:`dspark_jax.race_kernel`) takes the bias from an XLA GEMM, which writes it to memory and
+reads it back. Here the vocabulary tile of the kernel is the race block, so one pass does it
+all, as :mod:`dspark_jax.greedy_kernel` does for greedy-only rounds: program ``(i, j)``
+multiplies row block ``i``'s latents by block ``j`` of the table on the tensor cores, adds the
+base logits, writes the kept sums into slot ``k`` (the buffer is aliased from step to step),
+and writes, per row, the block's best float32 logit and lowest id holding it (a greedy row) or
+the block's score in the blocks' race (a sampling row: :func:`~dspark_jax.sampling.block_scores`
+of :func:`~dspark_jax.sampling.block_mass` of ``kept / T``). :func:`pick_raced_tiles`, one
+program per row, picks the token (the best block's token, or the race of the best block's
+``W`` tokens, read back from the corrected logits) and gathers the next step's ``markov_w1``
+row. Two kernels per step; the bias never goes to memory.
+
+Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
+the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest); the bias is a sum over
+``r`` whose float32 order may differ from the XLA GEMM's, so, as with the greedy kernels, a
+bias can differ by one unit of the head's dtype, and the corrected logits with it (the tokens
+are raced on the corrected logits the round returns, so verification stays exact).
+
+:func:`tile_race_supported` says when the kernel applies and :func:`use_tile_race_kernel`
+whether this trace uses it (:data:`TILE_RACE_ENV`; by default on GPU backends only, up to
+:data:`TILE_RACE_AUTO_MAX_BATCH` rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dspark_jax.attention_kernel import _whole
+from dspark_jax.greedy_kernel import first_latent_rows, greedy_supported, padded_latents, padded_rows
+from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
+from dspark_jax.markov import MarkovHead
+from dspark_jax.race_kernel import _divide, _noise, race_supported, step_key_words
+from dspark_jax.sampling import BLOCK_NOISE, NO_ID, TOKEN_NOISE, block_log_mass, block_mass, race_width
+
+TILE_RACE_ENV = "DSPARK_JAX_TILE_RACE"
+"""Environment variable choosing the folded walk's step: ``auto`` (default: these kernels on GPUs
+when :func:`tile_race_supported`, up to :data:`TILE_RACE_AUTO_MAX_BATCH` rows), ``xla`` (never:
+the race kernel or the XLA sampler, as :data:`dspark_jax.race_kernel.RACE_ENV` says) or
+``pallas`` (wherever supported, at any batch; the Pallas interpreter off GPUs)."""
+
+TILE_RACE_CHOICES = KERNEL_CHOICES
+
+_WARP_COUNTS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileRaceTuning:
+    """How :func:`race_tiles` lays its work out on the GPU; the tokens do not depend on it.
+
+    Attributes:
+      max_rows: rows per program at most, a power of two >= 16 (more rows are split into
+        row blocks, whose programs for one vocabulary block run next to each other).
+      warps: warps per program; None picks 4 up to 32 rows per program and 8 above.
+      stages: Triton pipeline stages of the loop over the rank.
+      chunk: rank columns per step of that loop, a power of two >= 16 (at most ``r``).
+    """
+
+    max_rows: int = 64
+    warps: int | None = None
+    stages: int = 3
+    chunk: int = 64
+
+    def __post_init__(self):
+        for name in ("max_rows", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value!r} is invalid: must be a power of two >= 16")
+        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in _WARP_COUNTS):
+            raise ValueError(f"warps={self.warps!r} is invalid: must be None or one of {_WARP_COUNTS}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not 1 <= self.stages <= 8:
+            raise ValueError(f"stages={self.stages!r} is invalid: must be an integer in [1, 8]")
+
+    def warps_for(self, rows: int) -> int:
+        """Warps per program for ``rows`` rows per program."""
+        return self.warps if self.warps is not None else (4 if rows <= 32 else 8)
+
+
+TILE_RACE_TUNING = TileRaceTuning()
+"""The :class:`TileRaceTuning` :func:`race_tiles` uses unless given one."""
+
+
+def tile_race_choice() -> str:
+    """The value of :data:`TILE_RACE_ENV` (``auto`` when unset).
+
+    Raises:
+      ValueError: the variable holds something else.
+    """
+    return env_choice(TILE_RACE_ENV)
+
+
+def tile_race_supported(rank: int, dtype: jnp.dtype, vocab: int) -> bool:
+    """True when the kernel applies: the greedy kernels' head (:func:`greedy_supported`: a
+    16-bit dtype, ``r`` a power of two of at least 16) and the race kernel's vocabulary
+    (:func:`~dspark_jax.race_kernel.race_supported`: the race block a power of two)."""
+    return greedy_supported(rank, dtype) and race_supported(vocab)
+
+
+TILE_RACE_AUTO_MAX_BATCH = 64
+"""The largest batch ``auto`` runs the kernels for. Measured on the H200 with the 8B draft, the
+walk alone (README note 66, µs per step, pipelined; all-greedy rows / mixed / sampling): at batch
+32 37.8 / 46.0 / 43.3 against the race kernel's 41.9 / 47.0 / 50.2, at batch 8 33.2 / 36.0 / 35.2
+against 33.6 / 37.5 / 38.9, but at batch 128 80.5 / 90.3 / 101.1 against 77.4 / 87.4 / 97.8
+(there the race kernel runs); ``pallas`` forces them."""
+
+
+def use_tile_race_kernel(rank: int, dtype: jnp.dtype, vocab: int, batch: int) -> tuple[bool, bool]:
+    """``(use the kernel, through the interpreter)`` for this trace, from :func:`tile_race_choice`
+    (``auto``: up to :data:`TILE_RACE_AUTO_MAX_BATCH` rows)."""
+    wanted = batch <= TILE_RACE_AUTO_MAX_BATCH or tile_race_choice() == "pallas"
+    return kernel_mode(TILE_RACE_ENV, tile_race_supported(rank, dtype, vocab) and wanted)
+
+
+def _tile_kernel(step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, interpret):
+    """Program ``(i, j)``: rows ``i·rows …`` against race block ``j``.
+
+    Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
+    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``t`` float32 ``[BR]``, ``greedy`` int32 ``[BR]``,
+    ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
+    ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
+    and ``token`` ``[BR, NB]`` (this program writes its ``[rows, 1]`` block).
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    corrected_ref, score_ref, token_ref = refs[-3:]
+    vocab, rank = w2_ref.shape
+    width = race_width(vocab)
+    block = pl.program_id(1)
+    first_row, start = pl.program_id(0) * rows, block * width
+    cols = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)  # [W]
+    owned = cols < vocab
+    tail = vocab % width != 0
+
+    def body(c, acc):
+        at = pl.ds(c * chunk, chunk)
+        z = z_ref[pl.ds(first_row, rows), at]  # [rows, chunk]
+        if tail:
+            w = plgpu.load(w2_ref.at[pl.ds(start, width), at], mask=owned[:, None], other=0)
+        else:
+            w = w2_ref[pl.ds(start, width), at]  # [W, chunk]
+        return acc + jax.lax.dot_general(z, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, rank // chunk, body, jnp.zeros((rows, width), jnp.float32))
+    bias = acc.astype(w2_ref.dtype).astype(jnp.float32)  # rounded as XLA's GEMM output is
+    here = pl.ds(first_row, rows)
+    real = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < batch  # [rows]
+    valid = real[:, None] & owned[None, :]
+    step = step_ref[0]
+    at = (here, step, pl.ds(start, width))
+    summed = plgpu.load(base_ref.at[at], mask=valid, other=0).astype(jnp.float32) + bias  # [rows, W]
+    kept = summed.astype(corrected_ref.dtype)  # the base logits' dtype
+    plgpu.store(corrected_ref.at[at], kept, mask=valid)
+    greedy = greedy_ref[here] != 0  # [rows]
+
+    # Each part runs only when a row of this block needs it; the branches return traced
+    # values, not literals (Triton's scf.yield takes values only).
+    def greedy_part():  # the float32 sum's best logit and lowest id holding it
+        x = jnp.where(valid & ~jnp.isnan(summed), summed, -jnp.inf)
+        top = x.max(axis=1)  # [rows]
+        return top, jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)
+
+    def sampled_part():  # the block's score in the race of kept / T
+        y = _divide(kept.astype(jnp.float32), t_ref[here][:, None], interpret)
+        top, mass = block_mass(jnp.where(valid & ~jnp.isnan(y), y, -jnp.inf))
+        counter = jnp.full((rows,), block, jnp.uint32)
+        noise = _noise(words_ref[0, step, here], words_ref[1, step, here], counter, BLOCK_NOISE, interpret)
+        return block_log_mass(top, mass) - noise
+
+    def some(chosen):  # any real row of this block chosen (Triton lowers no reduce_or)
+        return jnp.where(real & chosen, 1, 0).max() > 0
+
+    none = jnp.full((rows,), -jnp.inf, jnp.float32)
+    top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, jnp.zeros((rows,), jnp.int32) + block))
+    score = jax.lax.cond(some(~greedy), sampled_part, lambda: none + 0)
+    score_ref[...] = jnp.where(greedy, top, score)[:, None]
+    token_ref[...] = jnp.where(greedy, best, 0)[:, None]
+
+
+def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
+    """Program ``b``: row ``b``'s token from its blocks' ``(score, token)`` (the best block's
+    token for a greedy row; the race of the best block's tokens, read back from the corrected
+    logits, for a sampling row), and row ``token`` of ``markov_w1`` (zeros for a padding row)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    out_ref, e_ref = refs
+    batch, span, interpret = static["batch"], static["span"], static["interpret"]
+    vocab, width = corrected_ref.shape[2], race_width(corrected_ref.shape[2])
+    b = pl.program_id(0)
+    step = step_ref[0]
+    column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+    real = column < score_ref.shape[1]
+    scores = plgpu.load(score_ref.at[b, pl.ds(0, span)], mask=real, other=-jnp.inf)
+    best = scores.max()
+    top = real & (scores == best)
+
+    def greedy():  # each block's best float32 logit and lowest id holding it
+        return jnp.where(top, plgpu.load(token_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID), NO_ID).min()
+
+    def sampled():
+        first = jnp.where(top, column, NO_ID).min() * width
+        ids = first + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        inside = ids < vocab
+        rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
+        kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(first, width)], mask=inside, other=0).astype(jnp.float32)
+        noise = _noise(words_ref[0, step, b], words_ref[1, step, b], ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
+        raced = _divide(kept, t_ref[b], interpret) - noise
+        raced = jnp.where(inside & ~jnp.isnan(raced), raced, -jnp.inf)
+        return jnp.where(raced == raced.max(), ids, NO_ID).min()
+
+    token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
+    out_ref[...] = jnp.full((1, 1), token, jnp.int32)
+    row = w1_ref[jnp.minimum(token, vocab - 1), :]  # [r]
+    e_ref[...] = jnp.where(b < batch, row, jnp.zeros_like(row))[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "interpret", "tuning"))
+def race_tiles(
+    z: jax.Array,
+    w2: jax.Array,
+    base: jax.Array,
+    corrected: jax.Array | None,
+    temperatures: jax.Array,
+    greedy: jax.Array,
+    words: jax.Array,
+    step: jax.Array | int,
+    *,
+    batch: int,
+    interpret: bool = False,
+    tuning: TileRaceTuning | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Walk step ``step``: corrected logits into slot ``step``, and each race block's score.
+
+    Args:
+      z: ``[BR, r]`` the rows' latents in the head's dtype (rows from ``batch`` on: ignored).
+      w2: ``[V, r]`` the ``markov_w2`` table in the same dtype.
+      base: ``[B, γ, V]`` base logits.
+      corrected: ``[B, γ, V]`` corrected logits of the earlier steps in ``base``'s dtype
+        (updated in place), or ``None`` at the first step (a new buffer; its other slots are
+        written by the later steps).
+      temperatures: float32 ``[BR]`` clamped temperatures (padding rows: any).
+      greedy: int32 ``[BR]``, nonzero for rows that take the argmax (padding rows: nonzero).
+      words: ``uint32 [2, γ, BR]`` every step's key words per row (:func:`padded_walk_inputs`).
+      step: ``k`` (int32 scalar, may be traced).
+      batch: ``B``.
+      interpret: run through the Pallas interpreter (any backend).
+      tuning: the layout (None: :data:`TILE_RACE_TUNING`).
+
+    Returns:
+      ``(score [BR, NB] float32, token [BR, NB] int32, corrected [B, γ, V])``: per row and
+      race block, a greedy row's largest float32 ``base + bias`` and the lowest id holding
+      it; a sampling row's block score (``token`` 0).
+
+    Raises:
+      ValueError: shapes or dtypes that do not fit together, or no kernel for them.
+    """
+    tuning = TILE_RACE_TUNING if tuning is None else tuning
+    if not isinstance(tuning, TileRaceTuning):
+        raise TypeError(f"tuning={tuning!r} is invalid: must be a TileRaceTuning or None")
+    total, rank = z.shape
+    vocab = w2.shape[0]
+    gamma = base.shape[1] if base.ndim == 3 else 0
+    if base.ndim != 3 or base.shape[0] != batch or base.shape[2] != vocab:
+        raise ValueError(f"base has shape {base.shape}: must be [B, γ, V] with B={batch}, V={vocab}")
+    if total != padded_rows(batch) or w2.shape[1] != rank or z.dtype != w2.dtype:
+        raise ValueError(
+            f"z has shape {z.shape} and dtype {z.dtype}, w2 {w2.shape} {w2.dtype}: must be "
+            f"[{padded_rows(batch)}, r] and [V, r] in one dtype"
+        )
+    if not tile_race_supported(rank, w2.dtype, vocab):
+        raise ValueError(f"rank={rank}, dtype={w2.dtype} and vocab={vocab} are not supported: see tile_race_supported")
+    for name, x, shape in (("temperatures", temperatures, (total,)), ("greedy", greedy, (total,))):
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}: must be {shape} (the padded rows)")
+    if words.shape != (2, gamma, total):
+        raise ValueError(f"words has shape {words.shape}: must be (2, γ, BR) = {(2, gamma, total)}")
+    if corrected is not None and (corrected.shape, corrected.dtype) != (base.shape, base.dtype):
+        raise ValueError(
+            f"corrected has shape {corrected.shape} and dtype {corrected.dtype}: must be base's, "
+            f"{base.shape} {base.dtype}"
+        )
+    rows = min(total, tuning.max_rows)
+    blocks = -(-vocab // race_width(vocab))
+    kernel = functools.partial(_tile_kernel, batch=batch, rows=rows, chunk=min(tuning.chunk, rank), interpret=interpret)
+    step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
+    args = [step, z, w2, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32), base]
+    aliases = {}
+    if corrected is not None:
+        args.append(corrected)
+        aliases = {len(args) - 1: 0}
+    out = pl.BlockSpec((rows, 1), lambda i, j: (i, j))
+    corrected, score, token = pl.pallas_call(
+        kernel,
+        grid=(total // rows, blocks),  # the row blocks of one vocabulary block run next to each other (L2)
+        in_specs=[_whole(x.shape) for x in args],
+        out_specs=[_whole(base.shape), out, out],
+        out_shape=[
+            jax.ShapeDtypeStruct(base.shape, base.dtype),
+            jax.ShapeDtypeStruct((total, blocks), jnp.float32),
+            jax.ShapeDtypeStruct((total, blocks), jnp.int32),
+        ],
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="dspark_race_tiles",
+        **triton_params(tuning.warps_for(rows), tuning.stages, interpret),
+    )(*args)
+    return score, token, corrected
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "interpret"))
+def pick_raced_tiles(
+    score: jax.Array,
+    token: jax.Array,
+    corrected: jax.Array,
+    w1: jax.Array,
+    temperatures: jax.Array,
+    greedy: jax.Array,
+    words: jax.Array,
+    step: jax.Array | int,
+    *,
+    batch: int,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's token from :func:`race_tiles`' output, and its ``markov_w1`` row.
+
+    Args:
+      score, token: ``[BR, NB]`` from :func:`race_tiles`.
+      corrected: ``[B, γ, V]`` the corrected logits, slot ``step`` written.
+      w1: ``[V, r]`` the ``markov_w1`` table.
+      temperatures, greedy, words, step, batch, interpret: as given to :func:`race_tiles`.
+
+    Returns:
+      ``(tokens [BR] int32, e [BR, r])``: the rows' picks (padding rows: unspecified) and
+      ``w1[tokens]`` in ``w1``'s dtype (zero rows from ``batch`` on).
+    """
+    total, blocks = score.shape
+    rank = w1.shape[1]
+    span = max(16, 1 << (blocks - 1).bit_length())  # a power of two of columns, masked from NB on
+    kernel = functools.partial(_pick_kernel, batch=batch, span=span, interpret=interpret)
+    step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
+    args = [step, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32)]
+    args += [score, token, corrected, w1]
+    tokens, e = pl.pallas_call(
+        kernel,
+        grid=(total,),
+        in_specs=[_whole(x.shape) for x in args],
+        out_specs=[pl.BlockSpec((1, 1), lambda b: (b, 0)), pl.BlockSpec((1, rank), lambda b: (b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((total, 1), jnp.int32), jax.ShapeDtypeStruct((total, rank), w1.dtype)],
+        interpret=interpret,
+        name="dspark_race_tiles_pick",
+        **triton_params(8, 1, interpret),
+    )(*args)
+    return tokens[:, 0], e
+
+
+def padded_walk_inputs(
+    temperatures: jax.Array, greedy: jax.Array, keys: jax.Array, gamma: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The rows' sampling inputs as the kernels read them, padded to ``BR`` rows once per walk.
+
+    Args:
+      temperatures: ``[B]`` clamped float32 temperatures.
+      greedy: ``[B]`` bool greedy rows.
+      keys: typed per-row keys ``[B]`` (:func:`dspark_jax.sampling.row_keys`).
+      gamma: ``γ``.
+
+    Returns:
+      ``(t float32 [BR], greedy int32 [BR], words uint32 [2, γ, BR])``: padding rows are
+      greedy at temperature 1 with zero key words; ``words[:, k]`` are the key words of
+      ``step_keys(keys, k)`` (:func:`~dspark_jax.race_kernel.step_key_words`).
+    """
+    batch = temperatures.shape[0]
+    total = padded_rows(batch)
+    t = jnp.ones((total,), jnp.float32).at[:batch].set(temperatures.astype(jnp.float32))
+    g = jnp.ones((total,), jnp.int32).at[:batch].set(greedy.astype(jnp.int32))
+    words = jnp.transpose(step_key_words(keys, gamma), (2, 1, 0))  # [2, γ, B]
+    return t, g, jnp.zeros((2, gamma, total), jnp.uint32).at[:, :, :batch].set(words)
+
+
+def tiled_race_walk(
+    head: MarkovHead,
+    base_logits: jax.Array,
+    hidden: jax.Array,
+    bonus: jax.Array,
+    temperatures: jax.Array,
+    greedy: jax.Array,
+    keys: jax.Array,
+    *,
+    interpret: bool = False,
+    tuning: TileRaceTuning | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`dspark_jax.markov.markov_walk` with the folded sampler: two kernels per step, no ``[B, V]`` bias.
+
+    Args:
+      head: the Markov head (not ``None``); :func:`tile_race_supported` must hold.
+      base_logits: ``[B, γ, V]``.
+      hidden: ``[B, γ, H]`` draft hidden states (the gated and RNN heads read them).
+      bonus: ``[B]`` the anchor token (``prev`` of step 0).
+      temperatures: ``[B]`` clamped float32 temperatures.
+      greedy: ``[B]`` bool greedy rows.
+      keys: typed per-row keys ``[B]``; step ``k`` uses ``step_keys(keys, k)``, as
+        :func:`dspark_jax.sampling.sample_step` does.
+      interpret: run the kernels through the Pallas interpreter.
+      tuning: :func:`race_tiles`' layout.
+
+    Returns:
+      ``(tokens [B, γ] int32, corrected [B, γ, V] in base_logits' dtype)``, as the XLA walk
+      with :func:`dspark_jax.sampling.sample_step` makes them.
+    """
+    batch, gamma = base_logits.shape[:2]
+    w1 = head.markov_w1[...]
+    w2 = head.markov_w2[...].astype(head.dtype)  # as MarkovHead.project multiplies
+    t, g, words = padded_walk_inputs(temperatures, greedy, keys, gamma)
+    state, e = head.init_state(batch), first_latent_rows(head, bonus)
+    corrected, tokens = None, []
+    for k in range(gamma):
+        z, state = padded_latents(head, state, e, hidden[:, k], batch)
+        score, token, corrected = race_tiles(
+            z, w2, base_logits, corrected, t, g, words, k, batch=batch, interpret=interpret, tuning=tuning
+        )
+        token, e = pick_raced_tiles(score, token, corrected, w1, t, g, words, k, batch=batch, interpret=interpret)
+        tokens.append(token[:batch])
+    return jnp.stack(tokens, axis=1), corrected

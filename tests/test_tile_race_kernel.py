@@ -1,0 +1,211 @@
+"""The tiled race kernels (Pallas interpreter on the CPU, compiled on GPUs) pick what the XLA sampler picks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_greedy_kernel import _exact_inputs, _tiny_head
+
+from dspark_jax import bench, propose
+from dspark_jax import sampling as S
+from dspark_jax.greedy_kernel import padded_rows
+from dspark_jax.markov import markov_walk
+from dspark_jax.presets import load_preset
+from dspark_jax.race_kernel import RACE_ENV
+from dspark_jax.tile_race_kernel import (
+    TILE_RACE_AUTO_MAX_BATCH,
+    TILE_RACE_ENV,
+    TileRaceTuning,
+    padded_walk_inputs,
+    pick_raced_tiles,
+    race_tiles,
+    tile_race_choice,
+    tile_race_supported,
+    tiled_race_walk,
+    use_tile_race_kernel,
+)
+
+INTERPRET = jax.default_backend() != "gpu"  # on GPUs the compiled kernels
+_sample_step = jax.jit(S.sample_step, static_argnames="race_dtype")
+
+
+def _rows(batch, seed):
+    """Temperatures (one clamped to 1e-5) and greedy rows (every third), clamped as the walk takes them."""
+    rng = np.random.default_rng(seed)
+    temps = rng.uniform(0.3, 2.0, batch).astype(np.float32)
+    temps[-1] = 0.0
+    return S.clamp_temperatures(jnp.asarray(temps)), jnp.arange(batch) % 3 == 1
+
+
+# one block of 64 tokens (V < W); V a multiple of W; the last block short; B padded to 32 and
+# to two row blocks of 64 (max_rows 64) and four (max_rows 16)
+@pytest.mark.parametrize(
+    "batch, vocab, max_rows", [(1, 64, 64), (3, 256, 64), (20, 300, 64), (70, 200, 64), (40, 130, 16)]
+)
+def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch, vocab, max_rows):
+    rank, gamma = 32, 2
+    z, w1, w2, base = _exact_inputs(batch, gamma, vocab, rank, seed=vocab + batch)
+    base = jnp.where(jnp.isnan(base), base, base * 0.25)  # keep the race away from certainty
+    zp = jnp.zeros((padded_rows(batch), rank), z.dtype).at[:batch].set(z)
+    temps, greedy = _rows(batch, seed=batch)
+    keys = S.row_keys(jax.random.key(vocab), batch)
+    t, g, words = padded_walk_inputs(temps, greedy, keys, gamma)
+    tuning = TileRaceTuning(max_rows=max_rows, chunk=16)
+    bias = (np.asarray(z, np.float64) @ np.asarray(w2, np.float64).T).astype(jnp.bfloat16)  # exact, then rounded
+    corrected = None
+    for step in range(gamma):
+        score, token, corrected = race_tiles(
+            zp, w2, base, corrected, t, g, words, step, batch=batch, interpret=INTERPRET, tuning=tuning
+        )
+        blocks = -(-vocab // S.race_width(vocab))
+        assert score.shape == token.shape == (padded_rows(batch), blocks)
+        tokens, e = pick_raced_tiles(score, token, corrected, w1, t, g, words, step, batch=batch, interpret=INTERPRET)
+        logits = base[:, step].astype(jnp.float32) + jnp.asarray(bias, jnp.float32)
+        want = _sample_step(logits, temps, greedy, S.step_keys(keys, step), race_dtype=base.dtype)
+        np.testing.assert_array_equal(np.asarray(tokens[:batch]), np.asarray(want))
+        # in float32: NaN positions compare equal whatever the NaN's bits
+        want_kept = logits.astype(base.dtype).astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(corrected[:, step], np.float32), np.asarray(want_kept))
+        np.testing.assert_array_equal(np.asarray(e[:batch]), np.asarray(w1)[np.asarray(want)])
+        assert not np.asarray(e[batch:]).any()  # padding rows: zero latents
+
+
+def test_ties_nan_and_all_minus_inf_rows():
+    """Greedy ties go to the lowest id across blocks, NaN counts as -inf, an all -inf sampling row
+    yields token 0, +inf sampled tokens tie and the lowest wins (as the XLA sampler and the race
+    kernel, tests/test_race_kernel.py)."""
+    vocab, batch, rank = 2500, 6, 16
+    base = jnp.zeros((batch, 1, vocab), jnp.float32)
+    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 8, 16 and 19
+    base = base.at[1, 0, :].set(-jnp.inf)
+    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
+    base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
+    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 19, 11
+    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 15's last token only
+    base = base.astype(jnp.bfloat16)
+    zp = jnp.zeros((16, rank), jnp.bfloat16)  # no bias
+    w = jnp.zeros((vocab, rank), jnp.bfloat16)
+    greedy = jnp.array([True, True, True, False, False, False])
+    t, g, words = padded_walk_inputs(jnp.ones(batch), greedy, S.row_keys(jax.random.key(0), batch), 1)
+    score, token, corrected = race_tiles(zp, w, base, None, t, g, words, 0, batch=batch, interpret=INTERPRET)
+    tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(tokens[:batch]), [1030, 0, 1800, 0, 1500, 2047])
+
+
+def _walk_inputs(cfg, batch, seed):
+    k = jax.random.split(jax.random.key(seed), 4)
+    base = (2 * jax.random.normal(k[0], (batch, cfg.gamma, cfg.vocab_size))).astype(jnp.bfloat16)
+    hidden = jax.random.normal(k[1], (batch, cfg.gamma, cfg.hidden_size)).astype(jnp.bfloat16)
+    bonus = jax.random.randint(k[2], (batch,), 0, cfg.vocab_size)
+    return base, hidden, bonus, S.row_keys(k[3], batch)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_tiled_walk_equals_the_xla_walk(head_type):
+    """Tokens and corrected logits equal the XLA walk's (``markov_walk`` + ``sample_step``) for
+    every head, greedy and sampling rows; where the biases' summation orders could part (gated
+    and RNN latents are not exact), the corrected logits may differ by a unit of bf16 and the
+    tokens from the first such step on."""
+    cfg, head = _tiny_head(head_type)
+    batch = 5
+    base, hidden, bonus, keys = _walk_inputs(cfg, batch, seed=3)
+    temps, greedy = _rows(batch, seed=4)
+
+    def pick(step, logits):
+        return _sample_step(logits, temps, greedy, S.step_keys(keys, step), race_dtype=base.dtype)
+
+    want, want_corrected = jax.jit(lambda: markov_walk(head, base, hidden, bonus, pick, keep_dtype=base.dtype))()
+    got, corrected = tiled_race_walk(head, base, hidden, bonus, temps, greedy, keys, interpret=INTERPRET)
+    assert got.shape == (batch, cfg.gamma) and got.dtype == jnp.int32
+    assert corrected.shape == base.shape and corrected.dtype == base.dtype
+    got, want = np.asarray(got), np.asarray(want)
+    corrected, want_corrected = (np.asarray(x, np.float32) for x in (corrected, want_corrected))
+    if head_type == "vanilla":  # exact latents and tables: the same bias in any order
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(corrected, want_corrected)
+        return
+    for b in range(batch):  # up to the first differing token the rows walk the same way
+        differ = np.nonzero(got[b] != want[b])[0]
+        upto = differ[0] + 1 if differ.size else cfg.gamma
+        np.testing.assert_allclose(corrected[b, :upto], want_corrected[b, :upto], rtol=2**-7, atol=2**-7)
+
+
+def test_propose_takes_the_tiled_kernels_and_keeps_its_tokens(monkeypatch):
+    """``propose`` of a mixed batch under ``pallas`` runs two tiled kernels per step and no race
+    kernel, and drafts the tokens and corrected logits it drafts with the XLA sampler."""
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = bench.build_draft(cfg)
+    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
+    args = (
+        state,
+        cache,
+        jnp.array([3, 7, 11, 0], jnp.int32),
+        jnp.array([20, 0, 33, 41], jnp.int32),
+        *bench.sampling_params(4, "mixed"),
+        jax.random.key(0),
+    )
+    monkeypatch.setenv(RACE_ENV, "xla")
+    blocks, names = {}, {}
+    for choice in ("xla", "pallas"):
+        monkeypatch.setenv(TILE_RACE_ENV, choice)
+        fn = lambda *a: propose(graphdef, *a)  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+        names[choice] = (jaxpr.count("name=race_tiles"), jaxpr.count("name=pick_raced_tiles"))
+        blocks[choice] = jax.jit(fn)(*args)
+    assert names == {"xla": (0, 0), "pallas": (cfg.gamma, cfg.gamma)}
+    got, want = blocks["pallas"], blocks["xla"]
+    np.testing.assert_array_equal(np.asarray(got.draft_tokens), np.asarray(want.draft_tokens))
+    assert got.corrected_logits.shape == (4, cfg.gamma, cfg.vocab_size)
+    # random bf16 tables: the bias sums' order may move a logit by a unit of bf16
+    np.testing.assert_allclose(
+        np.asarray(got.corrected_logits, np.float32),
+        np.asarray(want.corrected_logits, np.float32),
+        rtol=2**-7,
+        atol=2**-10,
+    )
+    np.testing.assert_array_equal(np.asarray(got.greedy_mask), np.asarray(want.greedy_mask))
+
+
+def test_choice_support_tuning_and_bad_inputs(monkeypatch):
+    monkeypatch.delenv(TILE_RACE_ENV, raising=False)
+    assert tile_race_choice() == "auto"
+    on_gpu = jax.default_backend() == "gpu"
+    v = 151936
+    assert use_tile_race_kernel(256, jnp.bfloat16, v, TILE_RACE_AUTO_MAX_BATCH) == (on_gpu, False)
+    assert use_tile_race_kernel(256, jnp.bfloat16, v, TILE_RACE_AUTO_MAX_BATCH + 1) == (False, False)  # race kernel
+    monkeypatch.setenv(TILE_RACE_ENV, " Pallas ")
+    assert use_tile_race_kernel(256, jnp.bfloat16, v, 128) == (True, INTERPRET)  # forced at any batch
+    assert use_tile_race_kernel(256, jnp.float32, v, 8) == (False, False)  # TF32 products: not XLA's GEMM
+    assert use_tile_race_kernel(24, jnp.bfloat16, v, 8) == (False, False)
+    assert use_tile_race_kernel(256, jnp.bfloat16, 100, 8) == (False, False)  # no race block of 100
+    monkeypatch.setenv(TILE_RACE_ENV, "xla")
+    assert use_tile_race_kernel(256, jnp.bfloat16, v, 8) == (False, False)
+    monkeypatch.setenv(TILE_RACE_ENV, "cuda")
+    with pytest.raises(ValueError, match="DSPARK_JAX_TILE_RACE='cuda' is invalid"):
+        tile_race_choice()
+    assert tile_race_supported(16, jnp.float16, 64) and not tile_race_supported(16, jnp.float16, 96)
+
+    for field, value in (("max_rows", 48), ("chunk", 8), ("warps", 3), ("stages", 0), ("max_rows", True)):
+        with pytest.raises(ValueError, match=f"{field}="):
+            TileRaceTuning(**{field: value})
+    assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
+    assert TileRaceTuning(warps=2).warps_for(128) == 2
+
+    z, _, w2, base = _exact_inputs(2, 1, 64, 16, seed=0)
+    zp = jnp.zeros((16, 16), z.dtype).at[:2].set(z)
+    t, g, words = padded_walk_inputs(jnp.ones(2), jnp.zeros(2, bool), S.row_keys(jax.random.key(0), 2), 1)
+    args = (t, g, words, 0)
+    with pytest.raises(ValueError, match=r"base has shape \(2, 1, 64\)"):
+        race_tiles(zp, w2, base, None, *args, batch=3, interpret=True)
+    with pytest.raises(ValueError, match=r"z has shape \(2, 16\)"):
+        race_tiles(z, w2, base, None, *args, batch=2, interpret=True)
+    with pytest.raises(ValueError, match="rank=16, dtype=float32 and vocab=64 are not supported"):
+        race_tiles(zp.astype(jnp.float32), w2.astype(jnp.float32), base, None, *args, batch=2, interpret=True)
+    with pytest.raises(ValueError, match=r"temperatures has shape \(2,\): must be \(16,\)"):
+        race_tiles(zp, w2, base, None, t[:2], g, words, 0, batch=2, interpret=True)
+    with pytest.raises(ValueError, match=r"words has shape \(2, 1, 2\): must be \(2, γ, BR\)"):
+        race_tiles(zp, w2, base, None, t, g, words[:, :, :2], 0, batch=2, interpret=True)
+    with pytest.raises(ValueError, match=r"corrected has shape \(2, 1, 64\) and dtype float32"):
+        race_tiles(zp, w2, base, base.astype(jnp.float32), *args, batch=2, interpret=True)
+    with pytest.raises(TypeError, match="tuning="):
+        race_tiles(zp, w2, base, None, *args, batch=2, interpret=True, tuning="fast")
