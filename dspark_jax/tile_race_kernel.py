@@ -31,7 +31,7 @@ are raced on the corrected logits the round returns, so verification stays exact
 
 :func:`tile_race_supported` says when the kernel applies and :func:`use_tile_race_kernel`
 whether this trace uses it (:data:`TILE_RACE_ENV`; by default on GPU backends only, up to
-:data:`TILE_RACE_AUTO_MAX_BATCH` rows).
+:data:`TILE_RACE_AUTO_BATCHES`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from dspark_jax.sampling import BLOCK_NOISE, NO_ID, TOKEN_NOISE, block_log_mass,
 
 TILE_RACE_ENV = "DSPARK_JAX_TILE_RACE"
 """Environment variable choosing the folded walk's step: ``auto`` (default: these kernels on GPUs
-when :func:`tile_race_supported`, up to :data:`TILE_RACE_AUTO_MAX_BATCH` rows), ``xla`` (never:
+when :func:`tile_race_supported`, at :data:`TILE_RACE_AUTO_BATCHES`), ``xla`` (never:
 the race kernel or the XLA sampler, as :data:`dspark_jax.race_kernel.RACE_ENV` says) or
 ``pallas`` (wherever supported, at any batch; the Pallas interpreter off GPUs)."""
 
@@ -113,18 +113,21 @@ def tile_race_supported(rank: int, dtype: jnp.dtype, vocab: int) -> bool:
     return greedy_supported(rank, dtype) and race_supported(vocab)
 
 
-TILE_RACE_AUTO_MAX_BATCH = 64
-"""The largest batch ``auto`` runs the kernels for. Measured on the H200 with the 8B draft, the
-walk alone (README note 66, µs per step, pipelined; all-greedy rows / mixed / sampling): at batch
-32 37.8 / 46.0 / 43.3 against the race kernel's 41.9 / 47.0 / 50.2, at batch 8 33.2 / 36.0 / 35.2
-against 33.6 / 37.5 / 38.9, but at batch 128 80.5 / 90.3 / 101.1 against 77.4 / 87.4 / 97.8
-(there the race kernel runs); ``pallas`` forces them."""
+TILE_RACE_AUTO_BATCHES = (8, 64)
+"""The batches ``auto`` runs the kernels for, first and last. Measured on the H200 with the 8B
+draft, the walk alone (README note 66, µs per step, pipelined; all-greedy rows / mixed /
+sampling), the tiled kernels against the race kernel: batch 32 37.8 / 46.0 / 43.3 against
+41.9 / 47.0 / 50.2, batch 8 33.2 / 36.0 / 35.2 against 33.6 / 37.5 / 38.9; batch 1 33.4 / 36.1 /
+36.8 against 35.5 / 35.5 / 35.9 and batch 4 34.5 / 38.9 / 38.4 against 35.5 / 36.6 / 38.6 (no
+gain for sampling rows); batch 128 80.5 / 90.3 / 101.1 against 77.4 / 87.4 / 97.8. ``pallas``
+forces them at any batch."""
 
 
 def use_tile_race_kernel(rank: int, dtype: jnp.dtype, vocab: int, batch: int) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace, from :func:`tile_race_choice`
-    (``auto``: up to :data:`TILE_RACE_AUTO_MAX_BATCH` rows)."""
-    wanted = batch <= TILE_RACE_AUTO_MAX_BATCH or tile_race_choice() == "pallas"
+    (``auto``: at :data:`TILE_RACE_AUTO_BATCHES`)."""
+    first, last = TILE_RACE_AUTO_BATCHES
+    wanted = first <= batch <= last or tile_race_choice() == "pallas"
     return kernel_mode(TILE_RACE_ENV, tile_race_supported(rank, dtype, vocab) and wanted)
 
 
