@@ -138,10 +138,13 @@ TINY_ROUND_SEED = 2
 """The key seed of :func:`tiny_rounds_per_choice`'s rounds (``jax.random.key(TINY_ROUND_SEED)``)."""
 
 
-def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas"), *, eager: bool = False) -> tuple:
+def tiny_rounds_per_choice(
+    monkeypatch, variable: str, choices=("xla", "pallas"), *, eager: bool = False, gamma: int | None = None
+) -> tuple:
     """The folded round of the bf16 tiny preset (4 rows, mixed greedy / sampling, contexts of
     20, 0, 33 and 41 tokens), traced afresh under each value of environment ``variable``;
-    with ``eager``, also the eager round (``propose_eager``) under the key ``"eager"``.
+    with ``eager``, also the eager round (``propose_eager``) under the key ``"eager"``; ``gamma``
+    overrides the preset's γ (fewer walk steps to trace through the Pallas interpreter).
 
     Returns:
       ``(cfg, {choice: DraftBlock})``.
@@ -149,7 +152,8 @@ def tiny_rounds_per_choice(monkeypatch, variable: str, choices=("xla", "pallas")
     from dspark_jax import bench, propose, propose_eager
     from dspark_jax.presets import load_preset
 
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+    overrides = {} if gamma is None else {"block_size": gamma}
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", **overrides)
     graphdef, state = bench.build_draft(cfg)
     cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
     bonus = jnp.array([3, 7, 11, 0], jnp.int32)

@@ -38,10 +38,11 @@ def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft,
         assert r["tokens_reference"] == ("greedy_only" if r["mode"] == "greedy" else "folded")
 
 
-def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(tiny_draft, monkeypatch):
+def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(monkeypatch):
     monkeypatch.setenv(RACE_ENV, "pallas")  # the Pallas interpreter on a CPU
     tuning = RaceTuning(blocks_per_program=2, warps=1, pick_warps=4)
-    rows = bench_walk.bench_walk(tiny_draft, batches=(2,), modes=("sampling",), iters=1, tunings=(tuning,))
+    draft = _draft(block_size=3)  # γ = 3: fewer interpreted steps
+    rows = bench_walk.bench_walk(draft, batches=(2,), modes=("sampling",), iters=1, tunings=(tuning,))
     by_path = {(r["mode"], r["path"]): r for r in rows}
     # float32: no tiled kernel, so no folded_race row
     assert set(by_path) == {("sampling", "folded"), ("sampling", "folded_xla"), ("sampling", "folded_p2w1k4")}
@@ -56,7 +57,7 @@ def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(ti
 def test_walk_times_the_tiled_kernels_against_the_race_kernel_and_xla(monkeypatch):
     monkeypatch.setenv(RACE_ENV, "pallas")
     monkeypatch.setenv(TILE_RACE_ENV, "pallas")
-    draft = _draft(dtype="bfloat16", param_dtype="bfloat16")
+    draft = _draft(dtype="bfloat16", param_dtype="bfloat16", block_size=3)  # γ = 3: fewer interpreted steps
     rows = bench_walk.bench_walk(draft, batches=(2,), modes=("mixed",), iters=1)
     by_path = {r["path"]: r for r in rows}
     assert {p: r["kernel"] for p, r in by_path.items()} == {

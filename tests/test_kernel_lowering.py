@@ -117,6 +117,36 @@ def test_greedy_walk_lowers_for_cuda(head_type, batch):
     assert (len(outside) == 0) == (head_type == "vanilla")  # the RNN head's own projection stays in XLA
 
 
+@pytest.mark.parametrize("head_type, batch, max_rows", [("vanilla", 3, 64), ("gated", 40, 16)])
+def test_tiled_race_walk_lowers_for_cuda(head_type, batch, max_rows):
+    """Two kernels per step (tiles, then the pick) and, for a vanilla head, no GEMM left to XLA:
+    the ``[B, V]`` bias is never formed outside the kernels; several row blocks per race block too."""
+    from flax import nnx
+
+    from dspark_jax import bench
+    from dspark_jax.presets import load_preset
+    from dspark_jax.sampling import row_keys
+    from dspark_jax.tile_race_kernel import TileRaceTuning, tiled_race_walk
+
+    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
+    head = nnx.merge(*bench.build_draft(cfg)).markov_head
+    g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
+    tuning = TileRaceTuning(max_rows=max_rows)
+
+    def fn(base, hidden, bonus, temps, greedy):
+        keys = row_keys(jax.random.key(0), batch)
+        return tiled_race_walk(head, base, hidden, bonus, temps, greedy, keys, tuning=tuning)
+
+    args = (S((batch, g, v), jnp.bfloat16), S((batch, g, h), jnp.bfloat16), S((batch,), jnp.int32))
+    text = cuda_module(fn, *args, S((batch,), jnp.float32), S((batch,), jnp.bool_))
+    # the first step makes the corrected logits, the others update them in place: two functions
+    assert len(re.findall(r"call @race_tiles(_\d+)?\(", text)) == g
+    assert len(re.findall(r"call @pick_raced_tiles(_\d+)?\(", text)) == g
+    kernels = [line for line in text.splitlines() if f"@{TRITON}(" in line]
+    outside = [line for line in text.splitlines() if line not in kernels and "dot_general" in line]
+    assert (len(outside) == 0) == (head_type == "vanilla")  # the gated head's gate stays in XLA
+
+
 def _launch_settings(text: str) -> list[tuple[int, int]]:
     """``(num_warps, num_stages)`` of each Triton call in a lowered module, in order."""
     warps = [int(w) for w in re.findall(r"num_warps = (\d+)", text)]

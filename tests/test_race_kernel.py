@@ -49,19 +49,19 @@ def test_race_step_equals_sample_step(batch, vocab):
         np.testing.assert_array_equal(np.asarray(corrected[:, step]), np.asarray(logits.astype(base.dtype)))
 
 
-# P blocks per program (W = 128): the last program's loads and stores masked past V (33 blocks
-# with P = 4); fewer blocks than P (25 with P = 32); tokens and corrected logits as with one
-# block each
-@pytest.mark.parametrize("per_program, vocab", [(4, 4100), (32, 3073)])
-def test_blocks_per_program_changes_no_token(per_program, vocab):
-    batch, gamma = 4, 2
-    base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab + per_program)
-    tuning = RaceTuning(blocks_per_program=per_program, warps=1, pick_warps=4)
+# 32 blocks per program (W = 128): 25 blocks, fewer than P, in one program whose loads and stores
+# are masked past V; tokens and corrected logits as with one block per program (the default's 8,
+# several programs with the last one masked, is checked against XLA above)
+def test_blocks_per_program_changes_no_token():
+    batch, gamma, vocab = 4, 2, 3073
+    base, bias, temps, greedy, keys = _walk_inputs(batch, gamma, vocab, seed=vocab)
+    tunings = [RaceTuning(blocks_per_program=p, warps=1, pick_warps=4) for p in (32, 1)]
     words = step_key_words(keys, gamma)
     got = want = None
+    rows = (temps, greedy, words)
     for step in range(gamma):
-        tokens, got = race_step(base, bias[step], got, temps, greedy, words, step, interpret=INTERPRET, tuning=tuning)
-        ref, want = race_step(base, bias[step], want, temps, greedy, words, step, interpret=INTERPRET)
+        tokens, got = race_step(base, bias[step], got, *rows, step, interpret=INTERPRET, tuning=tunings[0])
+        ref, want = race_step(base, bias[step], want, *rows, step, interpret=INTERPRET, tuning=tunings[1])
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # every slot, the masked tail untouched
 
@@ -141,7 +141,7 @@ def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch):
     the eager round; corrected logits kept in bf16, within bf16 rounding of each other (inside
     one program XLA may keep the bf16 logits GEMMs' outputs in float32, while the kernel reads
     them as stored); each sampling row's tokens are the race on the kept logits."""
-    cfg, blocks = tiny_rounds_per_choice(monkeypatch, RACE_ENV, eager=True)  # greedy and sampling rows
+    cfg, blocks = tiny_rounds_per_choice(monkeypatch, RACE_ENV, eager=True, gamma=3)  # greedy and sampling rows
     a, b = blocks["xla"], blocks["pallas"]
     for name in ("draft_tokens", "confidence", "greedy_mask"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
