@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
+from dspark_jax.kernel_choice import KERNEL_CHOICES, check_tile_layout, env_choice, kernel_mode, triton_params
 from dspark_jax.markov import MarkovHead, VanillaMarkovHead
 from dspark_jax.sampling import NO_ID
 
@@ -68,14 +68,7 @@ class GreedyTuning:
     chunk: int = 64
 
     def __post_init__(self):
-        for name in ("tile", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value!r} is invalid: must be a power of two >= 16")
-        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in _WARP_COUNTS):
-            raise ValueError(f"warps={self.warps!r} is invalid: must be None or one of {_WARP_COUNTS}")
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not 1 <= self.stages <= 8:
-            raise ValueError(f"stages={self.stages!r} is invalid: must be an integer in [1, 8]")
+        check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS)
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""

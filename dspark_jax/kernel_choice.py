@@ -52,3 +52,22 @@ def kernel_mode(variable: str, supported: bool) -> tuple[bool, bool]:
     if choice == "auto":
         return on_gpu, False
     return True, not on_gpu
+
+
+def check_tile_layout(layout: object, powers: tuple[str, ...], warp_counts: tuple[int, ...]) -> None:
+    """Checks a tiled kernel's layout (a tuning dataclass): its fields ``powers`` powers of two of
+    at least 16, its ``warps`` None or one of ``warp_counts``, its ``stages`` an integer in [1, 8].
+
+    Raises:
+      ValueError: naming the first field that is not so, its value and what is allowed.
+    """
+    for name in powers:
+        value = getattr(layout, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"{name}={value!r} is invalid: must be a power of two >= 16")
+    warps = layout.warps
+    if warps is not None and (isinstance(warps, bool) or warps not in warp_counts):
+        raise ValueError(f"warps={warps!r} is invalid: must be None or one of {warp_counts}")
+    stages = layout.stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 8:
+        raise ValueError(f"stages={stages!r} is invalid: must be an integer in [1, 8]")

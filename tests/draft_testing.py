@@ -138,18 +138,17 @@ TINY_ROUND_SEED = 2
 """The key seed of :func:`tiny_rounds_per_choice`'s rounds (``jax.random.key(TINY_ROUND_SEED)``)."""
 
 
-def tiny_rounds_per_choice(
-    monkeypatch, variable: str, choices=("xla", "pallas"), *, eager: bool = False, gamma: int | None = None
-) -> tuple:
-    """The folded round of the bf16 tiny preset (4 rows, mixed greedy / sampling, contexts of
-    20, 0, 33 and 41 tokens), traced afresh under each value of environment ``variable``;
-    with ``eager``, also the eager round (``propose_eager``) under the key ``"eager"``; ``gamma``
-    overrides the preset's γ (fewer walk steps to trace through the Pallas interpreter).
+def tiny_round(mode: str, *, gamma: int | None = None) -> tuple:
+    """The bf16 tiny preset's draft and one round's inputs: 4 rows (``mode`` of
+    :func:`dspark_jax.bench.sampling_params`), contexts of 20, 0, 33 and 41 tokens, the key of
+    :data:`TINY_ROUND_SEED`; ``gamma`` overrides the preset's γ (fewer walk steps to trace
+    through the Pallas interpreter).
 
     Returns:
-      ``(cfg, {choice: DraftBlock})``.
+      ``(cfg, graphdef, args)`` with ``args = (state, cache, bonus, prefix_lens, temperatures,
+      top_k, key)``: ``propose(graphdef, *args)`` is the round.
     """
-    from dspark_jax import bench, propose, propose_eager
+    from dspark_jax import bench
     from dspark_jax.presets import load_preset
 
     overrides = {} if gamma is None else {"block_size": gamma}
@@ -158,13 +157,49 @@ def tiny_rounds_per_choice(
     cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
     bonus = jnp.array([3, 7, 11, 0], jnp.int32)
     lens = jnp.array([20, 0, 33, 41], jnp.int32)
-    temps, top_k = bench.sampling_params(4, "mixed")
-    key = jax.random.key(TINY_ROUND_SEED)
+    args = (state, cache, bonus, lens, *bench.sampling_params(4, mode), jax.random.key(TINY_ROUND_SEED))
+    return cfg, graphdef, args
+
+
+def tiny_rounds_per_choice(
+    monkeypatch, variable: str, choices=("xla", "pallas"), *, eager: bool = False, gamma: int | None = None
+) -> tuple:
+    """The folded round of :func:`tiny_round` (mixed greedy / sampling rows), traced afresh under
+    each value of environment ``variable``; with ``eager``, also the eager round
+    (``propose_eager``) under the key ``"eager"``; ``gamma`` as in :func:`tiny_round`.
+
+    Returns:
+      ``(cfg, {choice: DraftBlock})``.
+    """
+    from dspark_jax import propose, propose_eager
+
+    cfg, graphdef, args = tiny_round("mixed", gamma=gamma)
     blocks = {}
     for choice in choices:
         monkeypatch.setenv(variable, choice)
         step = jax.jit(lambda *a: propose(graphdef, *a))  # a fresh trace per choice
-        blocks[choice] = step(state, cache, bonus, lens, temps, top_k, key)
+        blocks[choice] = step(*args)
     if eager:
-        blocks["eager"] = propose_eager(nnx.merge(graphdef, state), cache, bonus, lens, temps, top_k, key)
+        state, *rest = args
+        blocks["eager"] = propose_eager(nnx.merge(graphdef, state), *rest)
     return cfg, blocks
+
+
+def planted_race_rows() -> tuple[jax.Array, jax.Array, list[int]]:
+    """Six rows of one walk step over V = 2500 (race blocks of 128) with planted edge cases, for
+    the race kernels: greedy ties go to the lowest id across blocks, NaN counts as -inf, an all
+    -inf row yields token 0, +inf sampled tokens tie and the lowest wins.
+
+    Returns:
+      ``(base float32 [6, 1, V], greedy [6] bool, the tokens any sampler must pick)``.
+    """
+    vocab, batch = 2500, 6
+    base = jnp.zeros((batch, 1, vocab), jnp.float32)
+    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 8, 16 and 19
+    base = base.at[1, 0, :].set(-jnp.inf)
+    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
+    base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
+    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 19, 11
+    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 15's last token only
+    greedy = jnp.array([True, True, True, False, False, False])
+    return base, greedy, [1030, 0, 1800, 0, 1500, 2047]

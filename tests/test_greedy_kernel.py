@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import tiny_round
 from flax import nnx
 
 from dspark_jax import bench, propose
@@ -114,17 +115,7 @@ def test_greedy_walk_equals_the_xla_walk(head_type):
 def test_propose_greedy_only_takes_the_kernels_and_keeps_its_tokens(monkeypatch):
     """``propose(fold_sampling=False)`` under ``pallas`` runs two greedy kernels per step and no
     bias GEMM, and drafts the tokens it drafts under ``xla``."""
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
-    args = (
-        state,
-        cache,
-        jnp.array([3, 7, 11, 0], jnp.int32),
-        jnp.array([20, 0, 33, 41], jnp.int32),
-        *bench.sampling_params(4, "greedy"),
-        jax.random.key(0),
-    )
+    cfg, graphdef, args = tiny_round("greedy")
     blocks, names = {}, {}
     for choice in ("xla", "pallas"):
         monkeypatch.setenv(GREEDY_ENV, choice)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_testing import TINY_ROUND_SEED, tiny_rounds_per_choice
+from draft_testing import TINY_ROUND_SEED, planted_race_rows, tiny_rounds_per_choice
 
 from dspark_jax import sampling as S
 from dspark_jax.race_kernel import (
@@ -91,23 +91,15 @@ def test_race_tuning_parses_and_refuses_bad_values():
 
 @pytest.mark.parametrize("per_program", [1, 32])  # 32: the 20 blocks in one program
 def test_ties_nan_and_all_minus_inf_rows(per_program):
-    """Greedy ties go to the lowest id (across blocks too), NaN counts as -inf, an all -inf row
-    yields token 0, +inf sampled tokens tie and the lowest wins."""
-    vocab, batch = 2500, 6
-    base = jnp.zeros((batch, 1, vocab), jnp.float32)
-    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 8, 16 and 19
-    base = base.at[1, 0, :].set(-jnp.inf)
-    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
-    base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
-    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 19, 11
-    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 15's last token only
+    """The planted rows of :func:`draft_testing.planted_race_rows`."""
+    base, greedy, want = planted_race_rows()
+    batch, _, vocab = base.shape
     bias = jnp.zeros((batch, vocab), jnp.float32)
-    greedy = jnp.array([True, True, True, False, False, False])
     temps = jnp.ones((batch,), jnp.float32)
     words = S._key_words(S.row_keys(jax.random.key(0), batch))[:, None]  # [B, 1, 2]
     tuning = RaceTuning(blocks_per_program=per_program)
     tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET, tuning=tuning)
-    np.testing.assert_array_equal(np.asarray(tokens), [1030, 0, 1800, 0, 1500, 2047])
+    np.testing.assert_array_equal(np.asarray(tokens), want)
 
 
 def test_race_choice_support_and_bad_vocab(monkeypatch):

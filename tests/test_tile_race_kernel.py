@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import planted_race_rows, tiny_round
 from test_greedy_kernel import _exact_inputs, _tiny_head
 
-from dspark_jax import bench, propose
+from dspark_jax import propose
 from dspark_jax import sampling as S
 from dspark_jax.greedy_kernel import padded_rows
 from dspark_jax.markov import markov_walk
-from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_ENV
 from dspark_jax.tile_race_kernel import (
     TILE_RACE_AUTO_BATCHES,
@@ -68,25 +68,17 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
 
 
 def test_ties_nan_and_all_minus_inf_rows():
-    """Greedy ties go to the lowest id across blocks, NaN counts as -inf, an all -inf sampling row
-    yields token 0, +inf sampled tokens tie and the lowest wins (as the XLA sampler and the race
-    kernel, tests/test_race_kernel.py)."""
-    vocab, batch, rank = 2500, 6, 16
-    base = jnp.zeros((batch, 1, vocab), jnp.float32)
-    base = base.at[0, 0, [1030, 2100, 2499]].set(5.0)  # a three-way tie across blocks 8, 16 and 19
-    base = base.at[1, 0, :].set(-jnp.inf)
-    base = base.at[2, 0, :].set(jnp.nan).at[2, 0, 1800].set(1.0)
-    base = base.at[3, 0, :].set(-jnp.inf)  # sampling row, all -inf
-    base = base.at[4, 0, :].set(jnp.nan).at[4, 0, [2450, 1500]].set(jnp.inf)  # sampling: +inf in blocks 19, 11
-    base = base.at[5, 0, :].set(-jnp.inf).at[5, 0, 2047].set(0.0)  # sampling: block 15's last token only
-    base = base.astype(jnp.bfloat16)
+    """The planted rows of :func:`draft_testing.planted_race_rows`, as the race kernel and XLA pick them."""
+    base, greedy, want = planted_race_rows()
+    batch, _, vocab = base.shape
+    rank = 16
     zp = jnp.zeros((16, rank), jnp.bfloat16)  # no bias
     w = jnp.zeros((vocab, rank), jnp.bfloat16)
-    greedy = jnp.array([True, True, True, False, False, False])
     t, g, words = padded_walk_inputs(jnp.ones(batch), greedy, S.row_keys(jax.random.key(0), batch), 1)
+    base = base.astype(jnp.bfloat16)
     score, token, corrected = race_tiles(zp, w, base, None, t, g, words, 0, batch=batch, interpret=INTERPRET)
     tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(tokens[:batch]), [1030, 0, 1800, 0, 1500, 2047])
+    np.testing.assert_array_equal(np.asarray(tokens[:batch]), want)
 
 
 def _walk_inputs(cfg, batch, seed, gamma=3):
@@ -132,17 +124,7 @@ def test_tiled_walk_equals_the_xla_walk(head_type):
 def test_propose_takes_the_tiled_kernels_and_keeps_its_tokens(monkeypatch):
     """``propose`` of a mixed batch under ``pallas`` runs two tiled kernels per step and no race
     kernel, and drafts the tokens and corrected logits it drafts with the XLA sampler."""
-    cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", block_size=3)  # γ = 3: fewer kernel traces
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
-    args = (
-        state,
-        cache,
-        jnp.array([3, 7, 11, 0], jnp.int32),
-        jnp.array([20, 0, 33, 41], jnp.int32),
-        *bench.sampling_params(4, "mixed"),
-        jax.random.key(0),
-    )
+    cfg, graphdef, args = tiny_round("mixed", gamma=3)
     monkeypatch.setenv(RACE_ENV, "xla")
     blocks, names = {}, {}
     for choice in ("xla", "pallas"):
