@@ -353,7 +353,9 @@ def pick_raced_tiles(
     """
     total, blocks = score.shape
     rank = w1.shape[1]
-    span = max(16, 1 << (blocks - 1).bit_length())  # a power of two of columns, masked from NB on
+    # a power of two of columns, masked from NB on; at least 16, so a one-block vocabulary is not
+    # a one-element tensor (a guard from the first GPU runs, not shown to be needed)
+    span = max(16, 1 << (blocks - 1).bit_length())
     kernel = functools.partial(_pick_kernel, batch=batch, span=span, interpret=interpret)
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
     args = [step, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32)]
