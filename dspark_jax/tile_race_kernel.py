@@ -72,14 +72,18 @@ class TileRaceTuning:
       stages: Triton pipeline stages of the loop over the rank.
       chunk: rank columns per step of that loop, a power of two >= 16 (at most ``r``).
 
-    The defaults, measured on the H200 with the 8B draft (README note 66; the walk alone,
-    sampling rows, µs per step): at batch 32 one row block of 32 rows at 4 warps 41.4, against
-    45.7 for two of 16 and 46.1 at 8 warps; at batch 128 (where ``auto`` runs the race kernel)
-    64 rows at 8 warps 105.6 against 117.6 at 4, 32 rows at 4 warps 101.5. Batch 64 (one
-    block of 64 rows at 8 warps) was not measured.
+    The defaults, measured on the H200 with the 8B draft (README notes 66 and 67; the walk
+    alone, µs per step, pipelined): at batch 32 one row block of 32 rows at 4 warps, sampling
+    rows 41.4, against 45.7 for two of 16 and 46.1 at 8 warps; stages 2 (45.0) or 4 with
+    chunks of 32 (46.3), chunks of 128 (42.0) and 8 warps (41.6) no faster (note 67: 41.5).
+    At batch 64, two row blocks of 32 at 4 warps against one of 64 at 8 (all-greedy rows /
+    mixed / sampling): 51.1 / 52.5 / 56.1 against 50.8 / 66.5 / 61.0 (64 rows at 4 warps:
+    50.2 / 75.4 / 70.8; the mixed batch's first 32 rows sample, so there each block of 32 runs
+    one part). At batch 128 (where ``auto`` runs the race kernel) 64 rows at 8 warps
+    105.6 against 117.6 at 4, 32 rows at 4 warps 101.5.
     """
 
-    max_rows: int = 64
+    max_rows: int = 32
     warps: int | None = None
     stages: int = 3
     chunk: int = 64
