@@ -362,7 +362,10 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     ``matmul``: an ``n×n×n`` bf16 product on random data; ``host``: how long a jitted
     ``x + 1`` over 8 floats takes from the call to its result being ready (median), and
     until the call returns: the host's share of every latency, which moves between hosts
-    and runs (so each run's medians can be read against it).
+    and runs (so each run's medians can be read against it); and the matmul's median waited
+    for against its time back to back (``matmul_waited_ms``, ``matmul_pipelined_ms``): what a
+    one-kernel program of about a draft round's device time pays on top of it when each call
+    is waited for (README note 68).
     """
     n = nbytes // 4
     x = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32))(jax.random.key(1))
@@ -375,13 +378,16 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
     a = jax.random.normal(ka, (m, m), jnp.bfloat16)
     b = jax.random.normal(kb, (m, m), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
-    t_mm = time_call(lambda: matmul(a, b), iters=iters)["pipelined_ms"]
+    mm = time_call(lambda: matmul(a, b), iters=iters)
+    t_mm = mm["pipelined_ms"]
     tiny = jnp.zeros((8,), jnp.float32)
     trivial = jax.jit(lambda t: t + 1.0)
     host = time_call(lambda: trivial(tiny), iters=max(100, iters))
     return {
         "host_roundtrip_ms": host["median_ms"],
         "host_dispatch_ms": host["dispatch_ms"],
+        "matmul_waited_ms": mm["median_ms"],
+        "matmul_pipelined_ms": t_mm,
         "elementwise_bytes_per_s": 2 * nbytes / (t_elem * 1e-3),
         "copy_bytes_per_s": 2 * nbytes / (t_copy * 1e-3),
         "matmul_flops_per_s": 2 * m**3 / (t_mm * 1e-3),
@@ -1049,6 +1055,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"host: a trivial jitted op is ready {ceil['host_roundtrip_ms']:.3f} ms after the call "
                 f"(the call returns after {ceil['host_dispatch_ms']:.3f} ms)"
+            )
+        if "matmul_waited_ms" in ceil:
+            lines.append(
+                f"host: the {ceil['matmul_size']}³ product, one kernel, is ready {ceil['matmul_waited_ms']:.3f} ms "
+                f"after the call and takes {ceil['matmul_pipelined_ms']:.3f} ms per call back to back: "
+                f"{ceil['matmul_waited_ms'] - ceil['matmul_pipelined_ms']:+.3f} ms waited"
             )
     meta = result.get("meta", {})
     if "attention" in meta:

@@ -59,6 +59,9 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
         assert ceil[name] > 0
     # each sample's dispatch is part of its round trip, so the medians keep that order
     assert 0 < ceil["host_dispatch_ms"] <= ceil["host_roundtrip_ms"]
+    assert ceil["matmul_waited_ms"] > 0 and ceil["matmul_pipelined_ms"] > 0
+    rate = 2 * ceil["matmul_size"] ** 3 / (ceil["matmul_pipelined_ms"] * 1e-3)
+    assert ceil["matmul_flops_per_s"] == pytest.approx(rate)
     e2e = tiny_result["e2e"]
     assert 1.0 <= e2e["tau_measured"] <= 8.0
     for name in ("plain_tokens_per_s", "spec_tokens_per_s", "ideal_speedup", "fraction_of_ideal"):
@@ -78,6 +81,7 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     table = bench.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
     assert "host: a trivial jitted op is ready" in table
+    assert f"host: the {tiny_result['ceilings']['matmul_size']}³ product, one kernel, is ready" in table
     kernel = "race Pallas kernel per step" if _ON_GPU else "XLA"  # float32 tiny shapes: no tiled kernels
     assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_TILE_RACE=auto, DSPARK_JAX_RACE=auto)" in table
     table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "tile_race_kernel": [1, 8]}})
