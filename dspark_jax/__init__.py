@@ -114,6 +114,10 @@ _EXPORTS = {
     # the greedy-only walk's kernels (note 49)
     "GREEDY_ENV": "dspark_jax.greedy_kernel",
     "GreedyTuning": "dspark_jax.greedy_kernel",
+    # the draft MLP's gate/up projections and SwiGLU in one kernel at small batches (note 69)
+    "MLP_ENV": "dspark_jax.mlp_kernel",
+    "MlpTuning": "dspark_jax.mlp_kernel",
+    "swiglu": "dspark_jax.mlp_kernel",
     # the backbone pieces' GEMM library per batch (note 53)
     "BACKBONE_GEMM_ENV": "dspark_jax.split_round",
     "backbone_compile_options": "dspark_jax.split_round",

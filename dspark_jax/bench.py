@@ -52,6 +52,7 @@ from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
+from dspark_jax.mlp_kernel import MLP_CHOICES, MLP_ENV, mlp_choice, use_mlp_kernel
 from dspark_jax.presets import load_preset
 from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV, RaceTuning, race_choice, use_race_kernel
 from dspark_jax.ready import spin_until_ready
@@ -1076,6 +1077,10 @@ def format_table(result: dict[str, Any]) -> str:
         on = meta.get("greedy_kernel") or []
         kernel = f"two Pallas kernels per step at batches {on}, XLA at the others" if on else "XLA"
         lines.append(f"greedy-only walk's step: {kernel} ({GREEDY_ENV}={meta['greedy']})")
+    if "mlp" in meta:
+        on = meta.get("mlp_kernel") or []
+        kernel = f"one Pallas kernel per layer at batches {on}, XLA at the others" if on else "XLA"
+        lines.append(f"draft MLP's gate/up projections and SwiGLU: {kernel} ({MLP_ENV}={meta['mlp']})")
     if "backbone_gemm" in meta:
         on = meta.get("backbone_cublas") or []
         gemms = f"cuBLAS at batches {on}, XLA's choice at the others" if on else "XLA's choice"
@@ -1250,6 +1255,7 @@ _ENV_FLAGS = (
     ("tile_race", TILE_RACE_CHOICES, TILE_RACE_ENV, "the folded walk's tiled kernels"),
     ("race", RACE_CHOICES, RACE_ENV, "the folded walk's race kernel where the tiled ones do not run"),
     ("greedy", GREEDY_CHOICES, GREEDY_ENV, "the greedy-only walk's step"),
+    ("mlp", MLP_CHOICES, MLP_ENV, "the draft MLP's gate/up projections and SwiGLU"),
     ("gemm", BACKBONE_GEMM_CHOICES, BACKBONE_GEMM_ENV, "the split round's backbone GEMMs"),
 )
 
@@ -1389,6 +1395,12 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         race_kernel=use_race_kernel(cfg.vocab_size)[0],
         greedy=greedy_choice(),
         greedy_kernel=[b for b in batches if use_greedy_kernel(cfg.markov_rank, cfg.jnp_dtype, b)[0]],
+        mlp=mlp_choice(),
+        mlp_kernel=[
+            b
+            for b in batches
+            if use_mlp_kernel(cfg.jnp_dtype, b * cfg.num_query_rows, cfg.hidden_size, cfg.intermediate_size)[0]
+        ],
         backbone_gemm=backbone_gemm_choice(),
         backbone_cublas=[b for b in batches if backbone_compile_options(b)],
     )

@@ -21,6 +21,7 @@ from dspark_jax.attention_kernel import attend_block, use_kernel
 from dspark_jax.config import DraftConfig
 from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.markov import MarkovHead, make_markov_head
+from dspark_jax.mlp_kernel import mlp_forward, use_mlp_kernel
 from dspark_jax.qk_norm_kernel import project_qkv
 
 
@@ -246,6 +247,12 @@ class DSparkDraft(nnx.Module):
             kernel, interpret = use_kernel(ctx_k.dtype, self.cfg.head_dim, ctx_k.shape[2])
         if kernel and slots is None:  # one iota for all layers (each kernel would get its own)
             slots = jnp.arange(x.shape[0], dtype=jnp.int32)
+        cfg = self.cfg
+        mlp_kernel, mlp_interpret = use_mlp_kernel(
+            x.dtype, x.shape[0] * x.shape[1], cfg.hidden_size, cfg.intermediate_size
+        )
+        # with few rows, the gate and up projections and SwiGLU run as one kernel
+        mlp_fn = functools.partial(mlp_forward, interpret=mlp_interpret) if mlp_kernel else None
         for i in range(start, stop):
             layer = self.layers[i]
             if kernel:
@@ -260,12 +267,12 @@ class DSparkDraft(nnx.Module):
                 )
                 # with the attention kernels, the q/k norms and RoPE run as one kernel too
                 project = functools.partial(project_qkv, interpret=interpret)
-                x = layer.with_attention(x, positions, attend, project_fn=project)
+                x = layer.with_attention(x, positions, attend, project_fn=project, mlp_fn=mlp_fn)
             else:
                 k, v = ctx_k[i], ctx_v[i]  # [N, C, KVH, D]
                 if slots is not None:
                     k, v = k[slots], v[slots]  # [B, C, KVH, D]
-                x = layer.with_context(x, positions, k.astype(x.dtype), v.astype(x.dtype), ctx_mask)
+                x = layer.with_context(x, positions, k.astype(x.dtype), v.astype(x.dtype), ctx_mask, mlp_fn=mlp_fn)
         return x
 
     def slots(self, hidden: jax.Array) -> jax.Array:

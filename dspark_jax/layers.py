@@ -248,6 +248,7 @@ class DecoderLayer(nnx.Module):
         ctx_k: jax.Array,
         ctx_v: jax.Array,
         ctx_mask: jax.Array,
+        mlp_fn=None,
     ) -> jax.Array:
         """Runs the layer for block rows over context keys and the whole block (the draft).
 
@@ -259,13 +260,16 @@ class DecoderLayer(nnx.Module):
           positions: ``[B, S]``.
           ctx_k, ctx_v: ``[B, C, KVH, D]`` this layer's context keys and values.
           ctx_mask: ``[B, C]`` True for visible context positions.
+          mlp_fn: as in :meth:`with_attention`.
 
         Returns:
           ``[B, S, H]``.
         """
-        return self.with_attention(x, positions, lambda q, k, v: attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v))
+        return self.with_attention(
+            x, positions, lambda q, k, v: attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v), mlp_fn=mlp_fn
+        )
 
-    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn, project_fn=None) -> jax.Array:
+    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn, project_fn=None, mlp_fn=None) -> jax.Array:
         """Runs the layer with a caller-supplied attention over the block's own keys and more.
 
         Args:
@@ -276,6 +280,8 @@ class DecoderLayer(nnx.Module):
           project_fn: ``(attention module, normed x, positions) -> (q, k, v)`` as
             ``query``/``key_value`` compute them (e.g. one kernel,
             :func:`dspark_jax.qk_norm_kernel.project_qkv`); default those two methods.
+          mlp_fn: ``(MLP module, normed x [B, S, H]) -> [B, S, H]`` as the module computes it
+            (e.g. :func:`dspark_jax.mlp_kernel.mlp_forward`); default the module.
 
         Returns:
           ``[B, S, H]``.
@@ -286,8 +292,9 @@ class DecoderLayer(nnx.Module):
         else:
             q = self.self_attn.query(a, positions)
             k, v = self.self_attn.key_value(a, positions)
-        return self._residual(x, attend_fn(q, k, v))
+        return self._residual(x, attend_fn(q, k, v), mlp_fn)
 
-    def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def _residual(self, x: jax.Array, attn: jax.Array, mlp_fn=None) -> jax.Array:
         x = x + self.self_attn.o_proj(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.post_attention_layernorm(x)
+        return x + (self.mlp(a) if mlp_fn is None else mlp_fn(self.mlp, a))

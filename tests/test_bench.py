@@ -74,6 +74,8 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
     assert tiny_result["meta"]["tile_race"] == "auto" and tiny_result["meta"]["tile_race_kernel"] == []
     # the greedy kernels take 16-bit heads only: never for the float32 tiny shapes
     assert tiny_result["meta"]["greedy"] == "auto" and tiny_result["meta"]["greedy_kernel"] == []
+    # the MLP kernel takes 16-bit dtypes only: never for the float32 tiny shapes
+    assert tiny_result["meta"]["mlp"] == "auto" and tiny_result["meta"]["mlp_kernel"] == []
     assert tiny_result["meta"]["command"].split()[:4] == ["dspark-jax", "bench", "--shapes", "tiny"]
 
 
@@ -89,6 +91,9 @@ def test_table_has_a_line_per_timed_row(tiny_result):
     assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
     table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
     assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table
+    assert "draft MLP's gate/up projections and SwiGLU: XLA (DSPARK_JAX_MLP=auto)" in bench.format_table(tiny_result)
+    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "mlp_kernel": [1, 8]}})
+    assert "SwiGLU: one Pallas kernel per layer at batches [1, 8], XLA at the others (DSPARK_JAX_MLP=auto)" in table
     assert "split round's backbone GEMMs: XLA's choice (DSPARK_JAX_BACKBONE_GEMM=xla)" in bench.format_table(
         tiny_result
     )

@@ -21,6 +21,7 @@ from dspark_jax.attention_kernel import (
 )
 from dspark_jax.greedy_kernel import GreedyTuning, greedy_markov_walk, greedy_tiles
 from dspark_jax.kernel_choice import triton_params
+from dspark_jax.mlp_kernel import MlpTuning, swiglu
 from dspark_jax.qk_norm_kernel import qk_norm_rope
 from dspark_jax.race_kernel import RaceTuning, race_step
 
@@ -72,6 +73,14 @@ def test_qk_norm_rope_lowers_for_cuda(heads, kv_heads):
     angles = S((b, s, d // 2), jnp.float32)
     assert triton_calls_for_cuda(fn, *args, angles, angles) == 1
     assert _launch_settings(cuda_module(fn, *args, angles, angles)) == [(4, 1)]
+
+
+@pytest.mark.parametrize("rows, hidden, inter", [(8, 4096, 12288), (5, 48, 80)])  # the 8B layer; masked tails
+def test_swiglu_lowers_for_cuda(rows, hidden, inter):
+    args = [S((rows, hidden), jnp.bfloat16), S((hidden, inter), jnp.bfloat16), S((hidden, inter), jnp.bfloat16)]
+    assert triton_calls_for_cuda(swiglu, *args) == 1
+    tuning = MlpTuning()
+    assert _launch_settings(cuda_module(swiglu, *args)) == [(tuning.warps or 4, tuning.stages)]
 
 
 # one kernel, or key ranges + merge; 16 heads per KV head: the merge on the tensor cores
