@@ -9,7 +9,9 @@ kernels per layer on the H200 (each norm, each rotation's concatenate, the value
 every one reading the fused q/k/v product. :func:`project_qkv` runs the product once
 (:meth:`~dspark_jax.layers.Attention.qkv`) and hands it to one kernel: program ``(b, s)``
 loads row ``s`` of request ``b`` (all ``Hq`` heads, each as its two halves), normalises the
-query and key heads, rotates them and stores queries, keys and values.
+query and key heads, rotates them and stores queries, keys and values. The rotary cosines and
+sines come in one array (:func:`rotary_table`): XLA computes them in one kernel (at batch 1 on
+the H200 it ran the cosine and the sine as two, README note 69).
 
 Same operations in the same order as :class:`~dspark_jax.layers.RMSNorm` and
 :func:`~dspark_jax.layers.rope` (float32 statistics, the normalised value rounded to the
@@ -47,13 +49,14 @@ def _heads(b, s, first: int, count: int, half: int, upper: bool):
     return idx, jax.lax.broadcasted_iota(jnp.int32, (padded, half), 0) < count
 
 
-def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, nh, kvh, eps):
-    """Program ``(b, s)``: ``qkv_ref [B, S, Hq, D]``, the norms' weights ``[D]``, ``cos``/``sin``
-    ``[B, S, D/2]`` → ``q_ref [B, S, NH, D]``, ``k_ref``/``v_ref [B, S, KVH, D]``."""
+def _kernel(qkv_ref, qw_ref, kw_ref, rot_ref, q_ref, k_ref, v_ref, *, nh, kvh, eps):
+    """Program ``(b, s)``: ``qkv_ref [B, S, Hq, D]``, the norms' weights ``[D]``, the rotary table
+    ``[B, S, D]`` (cosines, then sines) → ``q_ref [B, S, NH, D]``, ``k_ref``/``v_ref [B, S, KVH, D]``."""
     b, s = pl.program_id(0), pl.program_id(1)
     dim = qkv_ref.shape[-1]
     half = dim // 2
-    cos, sin = cos_ref[b, s, :][None, :], sin_ref[b, s, :][None, :]  # [1, D/2] float32
+    cos = rot_ref[b, s, pl.ds(0, half)][None, :]  # [1, D/2] float32
+    sin = rot_ref[b, s, pl.ds(half, half)][None, :]
     dtype = q_ref.dtype
 
     def norm_rope(first, count, w_ref, out_ref):
@@ -84,8 +87,7 @@ def qk_norm_rope(
     qkv: jax.Array,
     q_weight: jax.Array,
     k_weight: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
+    rotary: jax.Array,
     *,
     num_heads: int,
     num_kv_heads: int,
@@ -97,7 +99,7 @@ def qk_norm_rope(
     Args:
       qkv: ``[B, S, Hq·D]`` the raw projections side by side (queries, keys, values).
       q_weight, k_weight: ``[D]`` the q and k RMS norms' weights.
-      cos, sin: ``[B, S, D/2]`` float32 (:func:`dspark_jax.layers.rope_angles`).
+      rotary: ``[B, S, D]`` float32, the rows' rotary cosines then sines (:func:`rotary_table`).
       num_heads, num_kv_heads: ``NH`` and ``KVH``.
       eps: the norms' epsilon.
       interpret: run through the Pallas interpreter (any backend).
@@ -111,11 +113,11 @@ def qk_norm_rope(
     b, s, width = qkv.shape
     heads = num_heads + 2 * num_kv_heads
     dim = width // heads
-    if width != heads * dim or dim % 2 or cos.shape != (b, s, dim // 2) or sin.shape != cos.shape:
+    if width != heads * dim or dim % 2 or rotary.shape != (b, s, dim):
         raise ValueError(
-            f"qk_norm_rope got qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)} for "
+            f"qk_norm_rope got qkv {tuple(qkv.shape)}, rotary {tuple(rotary.shape)} for "
             f"{num_heads} query and {num_kv_heads} key/value heads: expected qkv [B, S, (NH + 2·KVH)·D] with D "
-            "even and cos, sin [B, S, D/2]"
+            "even and rotary [B, S, D]"
         )
     qkv4 = qkv.reshape(b, s, heads, dim)
     room = num_heads + num_kv_heads + _pow2(num_kv_heads)  # the values' padded tile must lie inside
@@ -129,13 +131,19 @@ def qk_norm_rope(
     return pl.pallas_call(
         functools.partial(_kernel, nh=num_heads, kvh=num_kv_heads, eps=eps),
         grid=(b, s),
-        in_specs=[_whole(qkv4.shape), _whole((dim,)), _whole((dim,)), _whole(cos.shape), _whole(sin.shape)],
+        in_specs=[_whole(qkv4.shape), _whole((dim,)), _whole((dim,)), _whole(rotary.shape)],
         out_specs=[_whole(o.shape) for o in out_shape],
         out_shape=out_shape,
         interpret=interpret,
         name="dspark_qk_norm_rope",
         **triton_params(4, 1, interpret),
-    )(qkv4, q_weight, k_weight, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    )(qkv4, q_weight, k_weight, rotary.astype(jnp.float32))
+
+
+def rotary_table(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """``[B, S, D]`` float32: :func:`~dspark_jax.layers.rope_angles`' cosines then sines side by side,
+    for :func:`qk_norm_rope` (one array, so that XLA computes both in one kernel)."""
+    return jnp.concatenate(rope_angles(positions, head_dim, theta), axis=-1)
 
 
 def project_qkv(attn, x: jax.Array, positions: jax.Array, *, interpret: bool = False):
@@ -145,13 +153,11 @@ def project_qkv(attn, x: jax.Array, positions: jax.Array, *, interpret: bool = F
     Returns:
       ``(q [B, S, NH, D], k [B, S, KVH, D], v [B, S, KVH, D])``.
     """
-    cos, sin = rope_angles(positions, attn.head_dim, attn.rope_theta)
     return qk_norm_rope(
         attn.qkv(x),
         attn.q_norm.weight[...],
         attn.k_norm.weight[...],
-        cos,
-        sin,
+        rotary_table(positions, attn.head_dim, attn.rope_theta),
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         eps=attn.q_norm.eps,

@@ -66,13 +66,13 @@ def test_race_step_lowers_for_cuda(dtype, per_program):
 def test_qk_norm_rope_lowers_for_cuda(heads, kv_heads):
     b, s, d = 2, 8, 64
 
-    def fn(qkv, qw, kw, cos, sin):
-        return qk_norm_rope(qkv, qw, kw, cos, sin, num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
+    def fn(qkv, qw, kw, rotary):
+        return qk_norm_rope(qkv, qw, kw, rotary, num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
 
     args = [S((b, s, (heads + 2 * kv_heads) * d), jnp.bfloat16), S((d,), jnp.bfloat16), S((d,), jnp.bfloat16)]
-    angles = S((b, s, d // 2), jnp.float32)
-    assert triton_calls_for_cuda(fn, *args, angles, angles) == 1
-    assert _launch_settings(cuda_module(fn, *args, angles, angles)) == [(4, 1)]
+    rotary = S((b, s, d), jnp.float32)
+    assert triton_calls_for_cuda(fn, *args, rotary) == 1
+    assert _launch_settings(cuda_module(fn, *args, rotary)) == [(4, 1)]
 
 
 @pytest.mark.parametrize("rows, hidden, inter", [(8, 4096, 12288), (5, 48, 80)])  # the 8B layer; masked tails

@@ -8,7 +8,7 @@ import pytest
 from draft_testing import hf_params, random_draft, rel_err, tiny_config
 
 from dspark_jax.layers import rope_angles
-from dspark_jax.qk_norm_kernel import project_qkv, qk_norm_rope
+from dspark_jax.qk_norm_kernel import project_qkv, qk_norm_rope, rotary_table
 
 BF16_ULP = 2.0**-7  # one unit in the last place of a bfloat16 value in [1, 2)
 
@@ -40,9 +40,20 @@ def test_kernel_matches_the_xla_projection_and_the_float64_reference(heads, kv_h
 
 def test_bad_shapes_name_what_was_given():
     qkv = jnp.zeros((2, 3, (4 + 2 * 2) * 16), jnp.bfloat16)
-    cos, sin = rope_angles(jnp.zeros((2, 3), jnp.int32), 16, 10_000.0)
+    rotary = rotary_table(jnp.zeros((2, 3), jnp.int32), 16, 10_000.0)
     w = jnp.ones((16,), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"qkv \(2, 3, 128\), cos \(2, 3, 8\).*for 4 query and 3 key/value heads"):
-        qk_norm_rope(qkv, w, w, cos, sin, num_heads=4, num_kv_heads=3, eps=1e-6, interpret=True)
-    with pytest.raises(ValueError, match=r"cos \(2, 3, 4\)"):
-        qk_norm_rope(qkv, w, w, cos[..., :4], sin[..., :4], num_heads=4, num_kv_heads=2, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match=r"qkv \(2, 3, 128\), rotary \(2, 3, 16\).*for 4 query and 3 key/value heads"):
+        qk_norm_rope(qkv, w, w, rotary, num_heads=4, num_kv_heads=3, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match=r"rotary \(2, 3, 8\)"):
+        qk_norm_rope(qkv, w, w, rotary[..., :8], num_heads=4, num_kv_heads=2, eps=1e-6, interpret=True)
+
+
+def test_rotary_table_is_rope_angles_side_by_side():
+    positions = jnp.array([[0, 5, 1031]], jnp.int32)
+    table = rotary_table(positions, 16, 1e6)
+    cos, sin = rope_angles(positions, 16, 1e6)
+    assert table.shape == (1, 3, 16) and table.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(table[..., :8]), np.asarray(cos))
+    np.testing.assert_array_equal(np.asarray(table[..., 8:]), np.asarray(sin))
+    angles = np.asarray(positions, np.float64)[..., None] * 1e6 ** (-np.arange(0, 16, 2) / 16)  # from the equations
+    np.testing.assert_allclose(np.asarray(table), np.concatenate([np.cos(angles), np.sin(angles)], -1), atol=1e-4)
