@@ -1,17 +1,17 @@
 """The draft layers' gate and up projections and SwiGLU as one Pallas (Triton) kernel for few rows.
 
-Shape legend: M rows (batch × block rows), BR rows padded to a power of two (at least 16),
-H hidden size, I intermediate size, T intermediate columns per program, K hidden columns
-per step of a program's loop.
+Shape legend: M rows (batch × block rows), BR rows per program (``M`` padded to a power of two,
+at least 16, at most :attr:`MlpTuning.rows`), H hidden size, I intermediate size, T intermediate
+columns per program, K hidden columns per step of a program's loop.
 
 With few rows (a draft round at small batches: 8 rows per request) the MLP's GEMMs are weight
 streams. XLA runs ``silu(x @ gate) * (x @ up)`` as two GEMMs and an elementwise kernel; on the
 H200 at the 8B shapes the two GEMMs stream their 2 × 100 MB at 3.9–4.0 TB/s (README note 69).
-:func:`swiglu` reads both weights in one pass: program ``j`` owns intermediate columns
-``[j·T, (j+1)·T)``, walks the hidden size in steps of ``K`` with the rows' activations and the
-two weight tiles, accumulates both products in float32 on the tensor cores and stores
-``silu(g) · u`` for its columns. The padding rows of ``BR`` are masked (zeros in, nothing
-stored).
+:func:`swiglu` reads both weights in one pass: program ``(i, j)`` owns row block ``i`` (``BR``
+rows; one block up to 64 rows) and intermediate columns ``[j·T, (j+1)·T)``, walks the hidden size
+in steps of ``K`` with the rows' activations and the two weight tiles, accumulates both products
+in float32 on the tensor cores and stores ``silu(g) · u`` for its rows and columns. Rows past
+``M`` and columns past ``I`` are masked (zeros in, nothing stored).
 
 Rounding: each product is rounded to the model dtype, as XLA's GEMMs store them; the SwiGLU of
 the two rounded values is computed in float32 and rounded once (XLA's elementwise fusion may
@@ -59,6 +59,9 @@ class MlpTuning:
       chunk: hidden columns per loop step ``K``, a power of two >= 16.
       warps: warps per program (None: 4).
       stages: Triton pipeline stages of the loop.
+      rows: the most rows per program, a power of two >= 16 (more rows run as several row
+        blocks, each reading the weights again: two ``[rows, T]`` float32 accumulators must fit
+        in a program's registers).
 
     The defaults are the fastest of the settings measured on the H200 at 8 and 64 rows (README
     note 69: 36 settings of tile, chunk, warps and stages).
@@ -68,9 +71,10 @@ class MlpTuning:
     chunk: int = 64
     warps: int | None = None
     stages: int = 4
+    rows: int = 64
 
     def __post_init__(self):
-        check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS)
+        check_tile_layout(self, ("tile", "chunk", "rows"), _WARP_COUNTS)
 
 
 MLP_TUNING = MlpTuning()
@@ -105,24 +109,25 @@ def _pow2(n: int) -> int:
 
 
 def _swiglu_kernel(x_ref, g_ref, u_ref, o_ref, *, rows, tile, chunk):
-    """Program ``j``: ``x_ref [M, H]``, ``g_ref``/``u_ref [H, I]`` → ``o_ref [M, I]`` columns
-    ``[j·T, (j+1)·T)`` (rows past ``M`` and columns past ``I`` masked)."""
+    """Program ``(i, j)``: ``x_ref [M, H]``, ``g_ref``/``u_ref [H, I]`` → ``o_ref [M, I]`` rows
+    ``[i·BR, (i+1)·BR)``, columns ``[j·T, (j+1)·T)`` (rows past ``M`` and columns past ``I`` masked)."""
     count, hidden = x_ref.shape
     inter = g_ref.shape[1]
-    start = pl.program_id(0) * tile
-    row_ok = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < count  # [BR, 1]
+    first_row, start = pl.program_id(0) * rows, pl.program_id(1) * tile
+    row_ok = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < count  # [BR, 1]
     col_ok = start + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1) < inter  # [1, T]
-    cols = pl.ds(start, tile)
+    cols, row_ids = pl.ds(start, tile), pl.ds(first_row, rows)
+    padded = count % rows != 0  # some row block holds rows past M
 
     def step(k, carry):
         acc_g, acc_u = carry
         first = pl.multiple_of(k * chunk, chunk)
         at = pl.ds(first, chunk)
         k_ok = None if hidden % chunk == 0 else first + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1) < hidden
-        x_mask = row_ok if rows != count else None
+        x_mask = row_ok if padded else None
         if k_ok is not None:
             x_mask = k_ok if x_mask is None else x_mask & k_ok
-        x = _load(x_ref, (pl.ds(0, rows), at), x_mask)  # [BR, K]
+        x = _load(x_ref, (row_ids, at), x_mask)  # [BR, K]
         w_mask = None
         if k_ok is not None or inter % tile:
             w_mask = (jnp.reshape(k_ok, (chunk, 1)) if k_ok is not None else True) & col_ok  # [K, T]
@@ -138,8 +143,8 @@ def _swiglu_kernel(x_ref, g_ref, u_ref, o_ref, *, rows, tile, chunk):
     g = acc_g.astype(dtype).astype(jnp.float32)  # rounded as XLA's GEMMs store the products
     u = acc_u.astype(dtype).astype(jnp.float32)
     out = (g * jax.nn.sigmoid(g) * u).astype(dtype)  # [BR, T]
-    mask = None if rows == count and inter % tile == 0 else row_ok & col_ok
-    _store(o_ref, (pl.ds(0, rows), cols), out, mask)
+    mask = None if not padded and inter % tile == 0 else row_ok & col_ok
+    _store(o_ref, (row_ids, cols), out, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
@@ -180,12 +185,12 @@ def swiglu(
     inter = gate.shape[1]
     if not swiglu_supported(x.dtype, hidden, inter):
         raise ValueError(f"dtype={x.dtype}, H={hidden}, I={inter} are not supported: see swiglu_supported")
-    rows = max(16, _pow2(count))
+    rows = min(max(16, _pow2(count)), tuning.rows)
     tile, chunk = min(tuning.tile, _pow2(inter)), min(tuning.chunk, _pow2(hidden))  # tails masked
     kernel = functools.partial(_swiglu_kernel, rows=rows, tile=tile, chunk=chunk)
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(inter, tile),),
+        grid=(pl.cdiv(count, rows), pl.cdiv(inter, tile)),  # the row blocks of a tile side by side (L2)
         in_specs=[_whole(x.shape), _whole(gate.shape), _whole(up.shape)],
         out_specs=_whole((count, inter)),
         out_shape=jax.ShapeDtypeStruct((count, inter), x.dtype),

@@ -37,7 +37,8 @@ def _np_swiglu(x, gate, up):
     return g / (1.0 + np.exp(-g)) * u
 
 
-# rows padded (1 → 16, 24 → 32), hidden and intermediate tails masked (48, 80), several programs
+# rows padded (1 → 16, 24 → 32), hidden and intermediate tails masked (48, 80), several programs,
+# several row blocks
 @pytest.mark.parametrize(
     "rows, hidden, inter, tuning",
     [
@@ -45,6 +46,8 @@ def _np_swiglu(x, gate, up):
         (1, 48, 80, MlpTuning(tile=32, chunk=32)),
         (24, 32, 48, None),
         (16, 128, 128, MlpTuning(tile=16, chunk=16, stages=2, warps=2)),
+        (40, 32, 64, MlpTuning(tile=32, chunk=16, rows=16)),  # three row blocks, the last one padded
+        (130, 32, 48, None),  # three row blocks of 64
     ],
 )
 def test_swiglu_matches_numpy_and_xla(rows, hidden, inter, tuning):
@@ -98,7 +101,7 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
         mlp_choice()
     assert swiglu_supported(jnp.float16, 16, 16) and not swiglu_supported(jnp.bfloat16, 16, 8)
 
-    for field, value in (("tile", 48), ("chunk", 8), ("warps", 16), ("stages", 0), ("chunk", True)):
+    for field, value in (("tile", 48), ("chunk", 8), ("warps", 16), ("stages", 0), ("chunk", True), ("rows", 8)):
         with pytest.raises(ValueError, match=f"{field}="):
             MlpTuning(**{field: value})
 
