@@ -210,8 +210,9 @@ def mlp_forward(mlp, x: jax.Array, *, interpret: bool = False) -> jax.Array:
     """
     b, s, h = x.shape
     gate, up = mlp.gate_proj, mlp.up_proj
-    if gate.bias is not None or up.bias is not None:
-        raise ValueError("mlp_forward: the gate and up projections must have no bias")
+    for name, proj in (("gate_proj", gate), ("up_proj", up)):
+        if proj.bias is not None:
+            raise ValueError(f"mlp_forward: {name} has a bias: the kernel computes bias-free projections only")
     dtype = gate.dtype or x.dtype
     kernels = [proj.kernel.get_value().astype(dtype) for proj in (gate, up)]
     hidden = swiglu(x.reshape(b * s, h).astype(dtype), *kernels, interpret=interpret)
