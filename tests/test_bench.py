@@ -317,3 +317,20 @@ def test_cuts_flag_parses_and_needs_a_split_path(capsys):
         assert f"--cuts={bad!r} is invalid: must be ':'-separated cuts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--cuts times the split paths: add split_greedy or split to --paths"):
         bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", "--cuts", "1"])
+
+
+def test_kernel_choice_flags_parse_every_choice_and_refuse_others(capsys):
+    """Each ``--attention``/``--tile-race``/``--race``/``--greedy``/``--mlp``/``--gemm`` flag takes
+    its variable's choices only (``run`` then sets the variable)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for flag, choices, variable, _ in bench._ENV_FLAGS:
+        option = f"--{flag.replace('_', '-')}"
+        assert getattr(parser.parse_args([]), flag) is None
+        for choice in choices:
+            assert getattr(parser.parse_args([option, choice]), flag) == choice
+        with pytest.raises(SystemExit):
+            parser.parse_args([option, "cuda"])
+        assert f"argument {option}: invalid choice: 'cuda'" in capsys.readouterr().err
+        assert f"(sets {variable};" in " ".join(parser.format_help().split())
+    assert ("mlp", ("auto", "xla", "pallas"), "DSPARK_JAX_MLP") in {f[:3] for f in bench._ENV_FLAGS}
