@@ -34,7 +34,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.kernel_choice import KERNEL_CHOICES, check_tile_layout, env_choice, kernel_mode, triton_params
+from dspark_jax.kernel_choice import (
+    KERNEL_CHOICES,
+    check_tile_layout,
+    env_choice,
+    kernel_mode,
+    pow2_ceil,
+    triton_params,
+)
 from dspark_jax.markov import MarkovHead, VanillaMarkovHead
 from dspark_jax.sampling import NO_ID
 
@@ -111,7 +118,7 @@ def use_greedy_kernel(rank: int, dtype: jnp.dtype, batch: int) -> tuple[bool, bo
 
 def padded_rows(batch: int) -> int:
     """``BR``: ``batch`` rounded up to a power of two, at least 16 (the tensor cores' smallest tile)."""
-    return max(16, 1 << (batch - 1).bit_length())
+    return max(16, pow2_ceil(batch))
 
 
 def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk):

@@ -28,6 +28,11 @@ def env_choice(variable: str, choices: tuple[str, ...] = KERNEL_CHOICES) -> str:
     return value
 
 
+def pow2_ceil(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1): the padded size of a Triton block."""
+    return 1 << (n - 1).bit_length()
+
+
 def triton_params(warps: int, stages: int, interpret: bool) -> dict:
     """``pallas_call`` keyword arguments for a Triton kernel of ``warps`` warps and ``stages``
     pipeline stages (none through the interpreter, which takes no compiler parameters)."""

@@ -32,7 +32,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _load, _store, _whole
-from dspark_jax.kernel_choice import KERNEL_CHOICES, check_tile_layout, env_choice, kernel_mode, triton_params
+from dspark_jax.kernel_choice import (
+    KERNEL_CHOICES,
+    check_tile_layout,
+    env_choice,
+    kernel_mode,
+    pow2_ceil,
+    triton_params,
+)
 
 MLP_ENV = "DSPARK_JAX_MLP"
 """Environment variable choosing the draft MLP's gate/up projections: ``auto`` (default: the
@@ -102,10 +109,6 @@ def use_mlp_kernel(dtype: jnp.dtype, rows: int, hidden: int, intermediate: int) 
     (``auto``: up to :data:`MLP_AUTO_MAX_ROWS` rows)."""
     wanted = rows <= MLP_AUTO_MAX_ROWS or mlp_choice() == "pallas"
     return kernel_mode(MLP_ENV, swiglu_supported(dtype, hidden, intermediate) and wanted)
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _swiglu_kernel(x_ref, g_ref, u_ref, o_ref, *, rows, tile, chunk):
@@ -185,8 +188,8 @@ def swiglu(
     inter = gate.shape[1]
     if not swiglu_supported(x.dtype, hidden, inter):
         raise ValueError(f"dtype={x.dtype}, H={hidden}, I={inter} are not supported: see swiglu_supported")
-    rows = min(max(16, _pow2(count)), tuning.rows)
-    tile, chunk = min(tuning.tile, _pow2(inter)), min(tuning.chunk, _pow2(hidden))  # tails masked
+    rows = min(max(16, pow2_ceil(count)), tuning.rows)
+    tile, chunk = min(tuning.tile, pow2_ceil(inter)), min(tuning.chunk, pow2_ceil(hidden))  # tails masked
     kernel = functools.partial(_swiglu_kernel, rows=rows, tile=tile, chunk=chunk)
     return pl.pallas_call(
         kernel,

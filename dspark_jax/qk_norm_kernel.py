@@ -31,18 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _load, _store, _whole
-from dspark_jax.kernel_choice import triton_params
+from dspark_jax.kernel_choice import pow2_ceil, triton_params
 from dspark_jax.layers import rope_angles
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _heads(b, s, first: int, count: int, half: int, upper: bool):
     """Index and mask of heads ``[first, first + count)`` of row ``(b, s)``, one half of ``D``,
     padded to ``P`` heads (the padding masked: nothing read or written there)."""
-    padded = _pow2(count)
+    padded = pow2_ceil(count)
     idx = (b, s, pl.ds(first, padded), pl.ds(half if upper else 0, half))
     if padded == count:
         return idx, None
@@ -120,7 +116,7 @@ def qk_norm_rope(
             "even and rotary [B, S, D]"
         )
     qkv4 = qkv.reshape(b, s, heads, dim)
-    room = num_heads + num_kv_heads + _pow2(num_kv_heads)  # the values' padded tile must lie inside
+    room = num_heads + num_kv_heads + pow2_ceil(num_kv_heads)  # the values' padded tile must lie inside
     if room > heads:  # KVH not a power of two: zero heads appended (the padding is masked anyway)
         qkv4 = jnp.pad(qkv4, ((0, 0), (0, 0), (0, room - heads), (0, 0)))
     out_shape = [
