@@ -65,17 +65,23 @@ class GreedyTuning:
       warps: warps per program; None picks 4 up to 64 rows per program and 8 above.
       stages: Triton pipeline stages of the loop over the rank.
       chunk: rank columns per step of that loop, a power of two >= 16 (at most ``r``).
+      alternate: odd steps walk the table's tiles in reverse program order, so that a step
+        starts on the tiles the step before it read last, which may still be in L2 (the
+        table, 78 MB for the 8B draft, does not fit in it).
 
-    The defaults are the fastest of the settings measured on the H200 (README note 49).
+    The defaults are the fastest of the settings measured on the H200 (README notes 49, 70).
     """
 
     tile: int = 128
     warps: int | None = None
     stages: int = 3
     chunk: int = 64
+    alternate: bool = True
 
     def __post_init__(self):
         check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS)
+        if not isinstance(self.alternate, bool):
+            raise TypeError(f"alternate={self.alternate!r} is invalid: must be a bool")
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""
@@ -121,17 +127,22 @@ def padded_rows(batch: int) -> int:
     return max(16, pow2_ceil(batch))
 
 
-def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk):
-    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile ``j``.
+def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk, alternate):
+    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile ``j`` (``NT − 1 − j`` on
+    odd steps when ``alternate``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``base`` ``[B, γ, V]``; outputs ``top``, ``idx``
-    ``[BR, NT]`` (this program writes its ``[rows, 1]`` block).
+    ``[BR, NT]`` (this program writes its ``[rows, 1]`` block, whichever tile it read: the
+    pick does not depend on the tiles' order).
     """
     from jax.experimental.pallas import triton as plgpu
 
     vocab, rank = w2_ref.shape
-    first_row, start = pl.program_id(0) * rows, pl.program_id(1) * tile
+    j = pl.program_id(1)
+    if alternate:
+        j = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - j, j)
+    first_row, start = pl.program_id(0) * rows, j * tile
     cols = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [T]
     owned = cols < vocab
     tail = vocab % tile != 0
@@ -198,7 +209,9 @@ def greedy_tiles(
 
     Returns:
       ``(top [BR, NT] float32, idx [BR, NT] int32)``: per row and tile, the largest
-      ``base[b, k, v] + bias[b, v]`` in float32 (NaN as ``-inf``) and the lowest ``v`` holding it.
+      ``base[b, k, v] + bias[b, v]`` in float32 (NaN as ``-inf``) and the lowest ``v`` holding it;
+      column ``j`` holds tile ``j``, or tile ``NT − 1 − j`` when ``step`` is odd and
+      ``tuning.alternate`` is set.
 
     Raises:
       ValueError: shapes or dtypes that do not fit together.
@@ -220,7 +233,9 @@ def greedy_tiles(
     rows = min(total, _MAX_ROWS)
     chunk = min(tuning.chunk, rank)
     tiles = -(-vocab // tuning.tile)
-    kernel = functools.partial(_tile_kernel, batch=batch, rows=rows, tile=tuning.tile, chunk=chunk)
+    kernel = functools.partial(
+        _tile_kernel, batch=batch, rows=rows, tile=tuning.tile, chunk=chunk, alternate=tuning.alternate
+    )
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
     out = pl.BlockSpec((rows, 1), lambda i, j: (i, j))
     return pl.pallas_call(

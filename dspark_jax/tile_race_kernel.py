@@ -71,6 +71,9 @@ class TileRaceTuning:
       warps: warps per program; None picks 4 up to 32 rows per program and 8 above.
       stages: Triton pipeline stages of the loop over the rank.
       chunk: rank columns per step of that loop, a power of two >= 16 (at most ``r``).
+      alternate: odd steps walk the race blocks in reverse program order, so that a step
+        starts on the part of the table the step before it read last, which may still be in
+        L2 (README note 70; the blocks' outputs keep their places).
 
     The defaults, measured on the H200 with the 8B draft (README notes 66 and 67; the walk
     alone, µs per step, pipelined): at batch 32 one row block of 32 rows at 4 warps, sampling
@@ -87,9 +90,12 @@ class TileRaceTuning:
     warps: int | None = None
     stages: int = 3
     chunk: int = 64
+    alternate: bool = True
 
     def __post_init__(self):
         check_tile_layout(self, ("max_rows", "chunk"), _WARP_COUNTS)
+        if not isinstance(self.alternate, bool):
+            raise TypeError(f"alternate={self.alternate!r} is invalid: must be a bool")
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""
@@ -135,14 +141,17 @@ def use_tile_race_kernel(rank: int, dtype: jnp.dtype, vocab: int, batch: int) ->
     return kernel_mode(TILE_RACE_ENV, tile_race_supported(rank, dtype, vocab) and wanted)
 
 
-def _tile_kernel(step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, interpret):
-    """Program ``(i, j)``: rows ``i·rows …`` against race block ``j``.
+def _tile_kernel(
+    step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, alternate, interpret
+):
+    """Program ``(i, j)``: rows ``i·rows …`` against race block ``j`` (``NB − 1 − j`` on odd
+    steps when ``alternate``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``t`` float32 ``[BR]``, ``greedy`` int32 ``[BR]``,
     ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
     ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
-    and ``token`` ``[BR, NB]`` (this program writes its ``[rows, 1]`` block).
+    and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -150,6 +159,8 @@ def _tile_kernel(step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref
     vocab, rank = w2_ref.shape
     width = race_width(vocab)
     block = pl.program_id(1)
+    if alternate:
+        block = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - block, block)
     first_row, start = pl.program_id(0) * rows, block * width
     cols = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)  # [W]
     owned = cols < vocab
@@ -196,8 +207,8 @@ def _tile_kernel(step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref
     none = jnp.full((rows,), -jnp.inf, jnp.float32)
     top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, jnp.zeros((rows,), jnp.int32) + block))
     score = jax.lax.cond(some(~greedy), sampled_part, lambda: none + 0)
-    score_ref[...] = jnp.where(greedy, top, score)[:, None]
-    token_ref[...] = jnp.where(greedy, best, 0)[:, None]
+    score_ref[here, pl.ds(block, 1)] = jnp.where(greedy, top, score)[:, None]
+    token_ref[here, pl.ds(block, 1)] = jnp.where(greedy, best, 0)[:, None]
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
@@ -304,19 +315,25 @@ def race_tiles(
         )
     rows = min(total, tuning.max_rows)
     blocks = -(-vocab // race_width(vocab))
-    kernel = functools.partial(_tile_kernel, batch=batch, rows=rows, chunk=min(tuning.chunk, rank), interpret=interpret)
+    kernel = functools.partial(
+        _tile_kernel,
+        batch=batch,
+        rows=rows,
+        chunk=min(tuning.chunk, rank),
+        alternate=tuning.alternate,
+        interpret=interpret,
+    )
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
     args = [step, z, w2, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32), base]
     aliases = {}
     if corrected is not None:
         args.append(corrected)
         aliases = {len(args) - 1: 0}
-    out = pl.BlockSpec((rows, 1), lambda i, j: (i, j))
     corrected, score, token = pl.pallas_call(
         kernel,
         grid=(total // rows, blocks),  # the row blocks of one vocabulary block run next to each other (L2)
         in_specs=[_whole(x.shape) for x in args],
-        out_specs=[_whole(base.shape), out, out],
+        out_specs=[_whole(base.shape), _whole((total, blocks)), _whole((total, blocks))],
         out_shape=[
             jax.ShapeDtypeStruct(base.shape, base.dtype),
             jax.ShapeDtypeStruct((total, blocks), jnp.float32),

@@ -70,6 +70,19 @@ def test_tiles_then_pick_give_the_numpy_argmax_and_the_next_rows(batch, vocab, t
         assert not np.asarray(e[batch:]).any()  # padding rows: zero latents
         if step == 0:
             assert want[min(1, batch - 1)] == 0  # the NaN row
+        # odd steps read the tiles in reverse program order; each column still holds one tile
+        plain = greedy_tiles(
+            zp,
+            w2,
+            base,
+            step,
+            batch=batch,
+            interpret=INTERPRET,
+            tuning=GreedyTuning(tile=tile, chunk=16, alternate=False),
+        )
+        flip = (lambda x: x[:, ::-1]) if step % 2 else (lambda x: x)
+        for got, ref in zip((top, idx), plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[:batch], flip(np.asarray(ref))[:batch])
     assert want[0] == 5  # the tie
 
 
@@ -150,6 +163,8 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     for field, value in (("tile", 48), ("chunk", 8), ("warps", 3), ("stages", 0), ("tile", True)):
         with pytest.raises(ValueError, match=f"{field}="):
             GreedyTuning(**{field: value})
+    with pytest.raises(TypeError, match="alternate='yes'"):
+        GreedyTuning(alternate="yes")
     assert GreedyTuning().warps_for(16) == 4 and GreedyTuning().warps_for(128) == 8
     assert GreedyTuning(warps=2).warps_for(128) == 2
 

@@ -1,5 +1,7 @@
 """The tiled race kernels (Pallas interpreter on the CPU, compiled on GPUs) pick what the XLA sampler picks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,22 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
         np.testing.assert_array_equal(np.asarray(corrected[:, step], np.float32), np.asarray(want_kept))
         np.testing.assert_array_equal(np.asarray(e[:batch]), np.asarray(w1)[np.asarray(want)])
         assert not np.asarray(e[batch:]).any()  # padding rows: zero latents
+        # odd steps read the blocks in reverse program order; each block's outputs keep their places
+        plain = race_tiles(
+            zp,
+            w2,
+            base,
+            corrected,
+            t,
+            g,
+            words,
+            step,
+            batch=batch,
+            interpret=INTERPRET,
+            tuning=dataclasses.replace(tuning, alternate=False),
+        )
+        for got, ref in zip((score, token, corrected), plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float32)[:batch], np.asarray(ref, np.float32)[:batch])
 
 
 def test_ties_nan_and_all_minus_inf_rows():
@@ -172,6 +190,8 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     for field, value in (("max_rows", 48), ("chunk", 8), ("warps", 3), ("stages", 0), ("max_rows", True)):
         with pytest.raises(ValueError, match=f"{field}="):
             TileRaceTuning(**{field: value})
+    with pytest.raises(TypeError, match="alternate=1"):
+        TileRaceTuning(alternate=1)
     assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
     assert TileRaceTuning(warps=2).warps_for(128) == 2
 
