@@ -122,14 +122,15 @@ def tile_race_supported(rank: int, dtype: jnp.dtype, vocab: int) -> bool:
     return greedy_supported(rank, dtype) and race_supported(vocab)
 
 
-TILE_RACE_AUTO_BATCHES = (8, 64)
+TILE_RACE_AUTO_BATCHES = (1, 64)
 """The batches ``auto`` runs the kernels for, first and last. Measured on the H200 with the 8B
 draft, the walk alone (README note 66, µs per step, pipelined; all-greedy rows / mixed /
 sampling), the tiled kernels against the race kernel: batch 32 37.8 / 46.0 / 43.3 against
 41.9 / 47.0 / 50.2, batch 8 33.2 / 36.0 / 35.2 against 33.6 / 37.5 / 38.9; batch 1 33.4 / 36.1 /
-36.8 against 35.5 / 35.5 / 35.9 and batch 4 34.5 / 38.9 / 38.4 against 35.5 / 36.6 / 38.6 (no
-gain for sampling rows); batch 64 (note 67, two row blocks of 32) 53.9 / 58.6 / 58.3 against
-55.5 / 62.5 / 68.2; batch 128 80.5 / 90.3 / 101.1 against 77.4 / 87.4 / 97.8. ``pallas``
+36.8 against 35.5 / 35.5 / 35.9 and batch 4 34.5 / 38.9 / 38.4 against 35.5 / 36.6 / 38.6;
+batch 64 (note 67, two row blocks of 32) 53.9 / 58.6 / 58.3 against 55.5 / 62.5 / 68.2; batch
+128 80.5 / 90.3 / 101.1 against 77.4 / 87.4 / 97.8. Batches 1–4 ran the race kernel until the
+tiled kernels alternated their tile order (README note 70: about 2.5 µs less per step). ``pallas``
 forces them at any batch."""
 
 

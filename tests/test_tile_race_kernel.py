@@ -173,7 +173,7 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     first, last = TILE_RACE_AUTO_BATCHES
     assert use_tile_race_kernel(256, jnp.bfloat16, v, first) == (on_gpu, False)
     assert use_tile_race_kernel(256, jnp.bfloat16, v, last) == (on_gpu, False)
-    for batch in (first - 1, last + 1):  # the race kernel was as fast or faster there
+    for batch in [b for b in (first - 1, last + 1) if b >= 1]:  # the race kernel was as fast or faster there
         assert use_tile_race_kernel(256, jnp.bfloat16, v, batch) == (False, False)
     monkeypatch.setenv(TILE_RACE_ENV, " Pallas ")
     assert use_tile_race_kernel(256, jnp.bfloat16, v, 128) == (True, INTERPRET)  # forced at any batch
