@@ -79,9 +79,7 @@ class GreedyTuning:
     alternate: bool = True
 
     def __post_init__(self):
-        check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS)
-        if not isinstance(self.alternate, bool):
-            raise TypeError(f"alternate={self.alternate!r} is invalid: must be a bool")
+        check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS, flags=("alternate",))
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""
@@ -127,9 +125,17 @@ def padded_rows(batch: int) -> int:
     return max(16, pow2_ceil(batch))
 
 
+def walk_tile(step: jax.Array, alternate: bool) -> jax.Array:
+    """The vocabulary tile (or race block) that a walk kernel's program ``(i, j)`` reads at step
+    ``step`` (a scalar read inside the kernel): ``j``, or ``NT − 1 − j`` on odd steps when
+    ``alternate``, so that a step starts on the tiles the step before it read last, some of
+    which are still in L2 (README note 70)."""
+    j = pl.program_id(1)
+    return jnp.where(step % 2 == 1, pl.num_programs(1) - 1 - j, j) if alternate else j
+
+
 def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk, alternate):
-    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile ``j`` (``NT − 1 − j`` on
-    odd steps when ``alternate``).
+    """Program ``(i, j)``: rows ``i·rows …`` against vocabulary tile :func:`walk_tile`.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``base`` ``[B, γ, V]``; outputs ``top``, ``idx``
@@ -139,9 +145,7 @@ def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, 
     from jax.experimental.pallas import triton as plgpu
 
     vocab, rank = w2_ref.shape
-    j = pl.program_id(1)
-    if alternate:
-        j = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - j, j)
+    j = walk_tile(step_ref[0], alternate)
     first_row, start = pl.program_id(0) * rows, j * tile
     cols = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [T]
     owned = cols < vocab

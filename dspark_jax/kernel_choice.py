@@ -59,13 +59,21 @@ def kernel_mode(variable: str, supported: bool) -> tuple[bool, bool]:
     return True, not on_gpu
 
 
-def check_tile_layout(layout: object, powers: tuple[str, ...], warp_counts: tuple[int, ...]) -> None:
+def check_tile_layout(
+    layout: object, powers: tuple[str, ...], warp_counts: tuple[int, ...], flags: tuple[str, ...] = ()
+) -> None:
     """Checks a tiled kernel's layout (a tuning dataclass): its fields ``powers`` powers of two of
-    at least 16, its ``warps`` None or one of ``warp_counts``, its ``stages`` an integer in [1, 8].
+    at least 16, its ``warps`` None or one of ``warp_counts``, its ``stages`` an integer in [1, 8],
+    its fields ``flags`` bools.
 
     Raises:
-      ValueError: naming the first field that is not so, its value and what is allowed.
+      ValueError: naming the first numeric field that is not so, its value and what is allowed.
+      TypeError: naming a flag that is not a bool and its value.
     """
+    for name in flags:
+        value = getattr(layout, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} is invalid: must be a bool")
     for name in powers:
         value = getattr(layout, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):

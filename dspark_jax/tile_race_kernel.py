@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
-from dspark_jax.greedy_kernel import first_latent_rows, greedy_supported, padded_latents, padded_rows
+from dspark_jax.greedy_kernel import first_latent_rows, greedy_supported, padded_latents, padded_rows, walk_tile
 from dspark_jax.kernel_choice import KERNEL_CHOICES, check_tile_layout, env_choice, kernel_mode, triton_params
 from dspark_jax.markov import MarkovHead
 from dspark_jax.race_kernel import _divide, _noise, race_supported, step_key_words
@@ -93,9 +93,7 @@ class TileRaceTuning:
     alternate: bool = True
 
     def __post_init__(self):
-        check_tile_layout(self, ("max_rows", "chunk"), _WARP_COUNTS)
-        if not isinstance(self.alternate, bool):
-            raise TypeError(f"alternate={self.alternate!r} is invalid: must be a bool")
+        check_tile_layout(self, ("max_rows", "chunk"), _WARP_COUNTS, flags=("alternate",))
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""
@@ -145,8 +143,8 @@ def use_tile_race_kernel(rank: int, dtype: jnp.dtype, vocab: int, batch: int) ->
 def _tile_kernel(
     step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, alternate, interpret
 ):
-    """Program ``(i, j)``: rows ``i·rows …`` against race block ``j`` (``NB − 1 − j`` on odd
-    steps when ``alternate``).
+    """Program ``(i, j)``: rows ``i·rows …`` against race block
+    :func:`~dspark_jax.greedy_kernel.walk_tile`.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``t`` float32 ``[BR]``, ``greedy`` int32 ``[BR]``,
@@ -159,9 +157,7 @@ def _tile_kernel(
     corrected_ref, score_ref, token_ref = refs[-3:]
     vocab, rank = w2_ref.shape
     width = race_width(vocab)
-    block = pl.program_id(1)
-    if alternate:
-        block = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - block, block)
+    block = walk_tile(step_ref[0], alternate)
     first_row, start = pl.program_id(0) * rows, block * width
     cols = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)  # [W]
     owned = cols < vocab
