@@ -139,8 +139,7 @@ def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, 
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``base`` ``[B, γ, V]``; outputs ``top``, ``idx``
-    ``[BR, NT]`` (this program writes its ``[rows, 1]`` block, whichever tile it read: the
-    pick does not depend on the tiles' order).
+    ``[BR, NT]`` (this program writes its rows of its tile's column).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -168,8 +167,9 @@ def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, 
     x = plgpu.load(at, mask=valid, other=0).astype(jnp.float32) + bias
     x = jnp.where(valid & ~jnp.isnan(x), x, -jnp.inf)
     top = x.max(axis=1)  # [rows]
-    top_ref[...] = top[:, None]
-    idx_ref[...] = jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)[:, None]
+    here = (pl.ds(first_row, rows), pl.ds(j, 1))
+    top_ref[here] = top[:, None]
+    idx_ref[here] = jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)[:, None]
 
 
 def _pick_kernel(top_ref, idx_ref, w1_ref, token_ref, e_ref, *, batch, span):
@@ -213,9 +213,7 @@ def greedy_tiles(
 
     Returns:
       ``(top [BR, NT] float32, idx [BR, NT] int32)``: per row and tile, the largest
-      ``base[b, k, v] + bias[b, v]`` in float32 (NaN as ``-inf``) and the lowest ``v`` holding it;
-      column ``j`` holds tile ``j``, or tile ``NT − 1 − j`` when ``step`` is odd and
-      ``tuning.alternate`` is set.
+      ``base[b, k, v] + bias[b, v]`` in float32 (NaN as ``-inf``) and the lowest ``v`` holding it.
 
     Raises:
       ValueError: shapes or dtypes that do not fit together.
@@ -241,12 +239,11 @@ def greedy_tiles(
         _tile_kernel, batch=batch, rows=rows, tile=tuning.tile, chunk=chunk, alternate=tuning.alternate
     )
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
-    out = pl.BlockSpec((rows, 1), lambda i, j: (i, j))
     return pl.pallas_call(
         kernel,
         grid=(total // rows, tiles),  # the row blocks of one tile run next to each other (L2)
         in_specs=[_whole(x.shape) for x in (step, z, w2, base)],
-        out_specs=[out, out],
+        out_specs=[_whole((total, tiles)), _whole((total, tiles))],
         out_shape=[
             jax.ShapeDtypeStruct((total, tiles), jnp.float32),
             jax.ShapeDtypeStruct((total, tiles), jnp.int32),
