@@ -312,6 +312,25 @@ def _summary(samples: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Sets the environment variables ``values`` for the ``with`` block (then restores them).
+
+    The kernel choices (``DSPARK_JAX_*``) are read while a program is traced, so a program
+    first called inside the block keeps the choices of the block.
+    """
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
     """Wall time (ms) of ``fn()``: each call alone, and back to back.
 
@@ -506,6 +525,7 @@ def bench_propose(
     modes: tuple[str, ...] = MODES,
     paths: tuple[str, ...] = PATHS,
     cuts: tuple[int | tuple[int, ...], ...] = (),
+    versus: tuple[tuple[str, str], ...] = (),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
@@ -524,7 +544,10 @@ def bench_propose(
     (:func:`~dspark_jax.proposal.propose_eager`). Each of ``cuts`` (a
     :class:`~dspark_jax.split_round.SplitRound` ``piece_layers``) adds the split paths once more
     with the backbone cut that way, named by the pieces' layer counts (``split_greedy@1|4``),
-    timed in the same interleaved rounds (README note 64).
+    timed in the same interleaved rounds (README note 64). Each of ``versus`` (a kernel-choice
+    flag of :data:`ENV_FLAGS` and one of its choices, e.g. ``("mlp", "xla")``) adds them once
+    more, traced with that choice's variable set (``split_greedy@mlp=xla``): an A/B of a kernel
+    choice against the run's own, same inputs, same process, interleaved.
 
     Every row also compares the path's draft tokens with those of the first path timed for
     its batch and mode, from the same inputs and key (:func:`_token_parity`); the Proposer
@@ -545,10 +568,14 @@ def bench_propose(
     draft = nnx.merge(graphdef, state)
     split = SplitRound(draft)
     # path suffix ("@1|4") -> the split round of each extra backbone cut, timed beside the default
-    cut_rounds: dict[str, SplitRound] = {}
+    # and the kernel-choice variables each extra round is traced with ({} for a cut)
+    extra_rounds: dict[str, tuple[SplitRound, dict[str, str]]] = {}
     for cut in cuts:
         extra = SplitRound(draft, piece_layers=cut)
-        cut_rounds.setdefault("@" + "|".join(str(stop - start) for start, stop in extra.ranges), extra)
+        extra_rounds.setdefault("@" + "|".join(str(stop - start) for start, stop in extra.ranges), (extra, {}))
+    variables = {flag: variable for flag, _, variable, _ in ENV_FLAGS}
+    for flag, choice in versus:
+        extra_rounds.setdefault(f"@{flag}={choice}", (SplitRound(draft), {variables[flag]: choice}))
     capacity = context + 2 * cfg.num_query_rows
     if {"proposer", "proposer_device"} & set(paths):
         proposer = Proposer(draft, max_batch=max(batches), capacity=capacity, folded_sampling="force")
@@ -564,15 +591,19 @@ def bench_propose(
         reference: dict[str, tuple[str, np.ndarray]] = {}  # mode -> first path's tokens (_token_parity)
         proposer_blocks: dict[tuple[str, str], Any] = {}  # (path, mode) -> the Proposer's first DraftBlock
         variants = [
-            ("folded_greedy", False, ("greedy",), None),
-            ("folded", True, MODES, None),
-            ("split_greedy", False, ("greedy",), split),
-            ("split", True, MODES, split),
-            ("jit_static", False, ("greedy",), None),
+            ("folded_greedy", False, ("greedy",), None, {}),
+            ("folded", True, MODES, None, {}),
+            ("split_greedy", False, ("greedy",), split, {}),
+            ("split", True, MODES, split, {}),
+            ("jit_static", False, ("greedy",), None, {}),
         ]
         split_variants = [v for v in variants if v[3] is split]
-        variants += [(p + label, f, m, cut) for label, cut in cut_rounds.items() for p, f, m, _ in split_variants]
-        for path, fold_sampling, path_modes, split_of_path in variants:
+        variants += [
+            (p + label, f, m, extra, env)
+            for label, (extra, env) in extra_rounds.items()
+            for p, f, m, _, _ in split_variants
+        ]
+        for path, fold_sampling, path_modes, split_of_path, env in variants:
             path_modes = [m for m in path_modes if m in modes] if path.split("@")[0] in paths else []
             cost = round_cost(cfg, batch, context, folded_sampling=fold_sampling)
             floor, bound = floor_ms(cost, bandwidth, ceilings["matmul_flops_per_s"])
@@ -591,7 +622,8 @@ def bench_propose(
                     return fn(*args, fold_sampling=fold_sampling)
 
                 t0 = time.perf_counter()
-                first = jax.block_until_ready(call())
+                with environment(env):  # read while the first call traces and compiles
+                    first = jax.block_until_ready(call())
                 row = {
                     "batch": batch,
                     "mode": mode,
@@ -602,6 +634,7 @@ def bench_propose(
                     "floor_ms": floor,
                     "floor_bound": bound,
                     "floor_copy_ms": floor_copy,
+                    **({"traced_with": env} if env else {}),
                     **_token_parity(reference, mode, path, first),
                 }
                 pending.append((row, call))
@@ -1249,8 +1282,7 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-# flag, choices, environment variable it sets, what it chooses
-_ENV_FLAGS = (
+ENV_FLAGS = (
     ("attention", ATTENTION_CHOICES, ATTENTION_ENV, "the draft's context attention"),
     ("tile_race", TILE_RACE_CHOICES, TILE_RACE_ENV, "the folded walk's tiled kernels"),
     ("race", RACE_CHOICES, RACE_ENV, "the folded walk's race kernel where the tiled ones do not run"),
@@ -1258,6 +1290,24 @@ _ENV_FLAGS = (
     ("mlp", MLP_CHOICES, MLP_ENV, "the draft MLP's gate/up projections and SwiGLU"),
     ("gemm", BACKBONE_GEMM_CHOICES, BACKBONE_GEMM_ENV, "the split round's backbone GEMMs"),
 )
+"""The kernel-choice flags: ``(flag, its choices, the environment variable it sets, what it chooses)``."""
+
+
+def _versus(text: str) -> tuple[tuple[str, str], ...]:
+    """``--versus``: comma-separated ``FLAG=CHOICE`` items, each a kernel-choice flag of
+    :data:`ENV_FLAGS` and one of its choices."""
+    choices = {flag: flag_choices for flag, flag_choices, _, _ in ENV_FLAGS}
+    items = []
+    for item in text.split(","):
+        flag, _, choice = item.strip().partition("=")
+        flag = flag.strip().replace("-", "_")
+        if flag not in choices or choice.strip() not in choices[flag]:
+            allowed = "; ".join(f"{f}={'|'.join(c)}" for f, c in choices.items())
+            raise argparse.ArgumentTypeError(
+                f"--versus={text!r} is invalid: {item.strip()!r} is not FLAG=CHOICE with one of {allowed}"
+            )
+        items.append((flag, choice.strip()))
+    return tuple(items)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1290,10 +1340,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="backbone cuts timed beside the default, as the split paths: pieces' layer counts but the last's, "
         "e.g. 1:1,1,1 (1 | 4 and 1 | 1 | 1 | 2 for five layers)",
     )
+    parser.add_argument(
+        "--versus",
+        type=_versus,
+        default=(),
+        help="kernel choices timed beside the run's own, as the split paths traced with each, e.g. "
+        "mlp=xla,tile_race=xla (paths split_greedy@mlp=xla, …)",
+    )
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
     parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
-    for flag, choices, variable, what in _ENV_FLAGS:
+    for flag, choices, variable, what in ENV_FLAGS:
         parser.add_argument(
             f"--{flag.replace('_', '-')}",
             choices=choices,
@@ -1309,7 +1366,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs the benchmark described by parsed ``args``; prints the table, writes JSON."""
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-    for flag, _, variable, _ in _ENV_FLAGS:
+    for flag, _, variable, _ in ENV_FLAGS:
         if getattr(args, flag):
             os.environ[variable] = getattr(args, flag)  # the compile subprocesses inherit it
     shapes = SHAPES[args.shapes]
@@ -1323,8 +1380,9 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
-    if args.cuts and not {"split_greedy", "split"} & set(args.paths):
-        raise ValueError("--cuts times the split paths: add split_greedy or split to --paths, or drop --cuts")
+    for name in ("cuts", "versus"):
+        if getattr(args, name) and not {"split_greedy", "split"} & set(args.paths):
+            raise ValueError(f"--{name} times the split paths: add split_greedy or split to --paths, or drop --{name}")
     if args.race_tunings and not args.walk:
         raise ValueError("--race-tunings is only used with --walk: add --walk, or drop --race-tunings")
     if args.compile_worker:
@@ -1420,6 +1478,7 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         modes=args.modes,
         paths=args.paths,
         cuts=args.cuts,
+        versus=args.versus,
     )
     _save(args.out, result)
     if args.walk:

@@ -31,10 +31,7 @@ Shape legend: B batch, γ draft slots, V vocabulary, H hidden.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -42,28 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.bench import sampling_params, time_calls
+from dspark_jax.bench import environment, sampling_params, time_calls
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import returned_corrected, walk_block
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel
 from dspark_jax.tile_race_kernel import TILE_RACE_ENV, use_tile_race_kernel
 
 WALK_PATHS = ("greedy_only", "folded", "folded_race", "folded_xla")
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    """Sets the environment variables ``values`` for the ``with`` block (then restores them)."""
-    previous = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _walk(graphdef, state, base, hidden, bonus, temperatures, top_k, key, *, fold_sampling, tuning):
@@ -148,7 +130,7 @@ def bench_walk(
                 paths += [(f"folded_{t.label}", True, no_tiles, t, "race") for t in tunings]
             for path, fold_sampling, env, tuning, ran in paths:
                 fn = jax.jit(functools.partial(_walk, graphdef, fold_sampling=fold_sampling, tuning=tuning))
-                with _env(env):  # read while tracing: compile now, inside the block
+                with environment(env):  # read while tracing: compile now, inside the block
                     compiled = fn.lower(*args).compile()
                 calls[(mode, path)] = functools.partial(compiled, *args)
                 results[(mode, path)] = np.asarray(calls[(mode, path)]()[0])

@@ -11,23 +11,41 @@ import numpy as np
 import pytest
 
 from dspark_jax import bench
+from dspark_jax.greedy_kernel import GREEDY_ENV
+from dspark_jax.mlp_kernel import MLP_ENV
 from dspark_jax.race_kernel import race_supported
+from dspark_jax.split_round import SplitRound
 
 _ON_GPU = jax.default_backend() == "gpu"
+
+
+# SplitRound instance -> (DSPARK_JAX_GREEDY, DSPARK_JAX_MLP) when it was first called in tiny_result
+_FIRST_CALL_ENV: dict[int, tuple[str | None, str | None]] = {}
 
 
 @pytest.fixture(scope="module")
 def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
-    argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2", "--out", str(out)]
+    argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2"]
+    argv += ["--versus", "greedy=xla, mlp=pallas", "--out", str(out)]
     before = os.environ.get(bench.BACKBONE_GEMM_ENV)
+    original_call = SplitRound.__call__
+
+    def recording_call(self, *args, **kwargs):
+        _FIRST_CALL_ENV.setdefault(id(self), (os.environ.get(GREEDY_ENV), os.environ.get(MLP_ENV)))
+        return original_call(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         # recorded, so the context restores the variable the run sets (delenv of an unset name
         # records nothing, and the executable store's keys of later tests include DSPARK_*)
         patch.setenv(bench.BACKBONE_GEMM_ENV, "auto")
+        for variable in (GREEDY_ENV, MLP_ENV):
+            patch.delenv(variable, raising=False)
+        patch.setattr(SplitRound, "__call__", recording_call)
         assert bench.main(argv) == 0
         assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
+        assert GREEDY_ENV not in os.environ and MLP_ENV not in os.environ  # --versus restores them
     assert os.environ.get(bench.BACKBONE_GEMM_ENV) == before
     return json.loads(out.read_text())
 
@@ -44,6 +62,14 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     assert (1, "greedy", "split_greedy@2") in seen
     assert {(1, mode, "split@2") for mode in bench.MODES} <= seen
     assert not any(p.endswith("@1|1") for _, _, p in seen)  # the default cut is not timed twice unasked
+    # --versus greedy=xla,mlp=pallas: the split paths again, each round traced with its choice set
+    for label, env in (("greedy=xla", {GREEDY_ENV: "xla"}), ("mlp=pallas", {MLP_ENV: "pallas"})):
+        assert (1, "greedy", f"split_greedy@{label}") in seen
+        assert {(1, mode, f"split@{label}") for mode in bench.MODES} <= seen
+        assert all(r["traced_with"] == env for r in rows if r["path"].endswith(label))
+    first_calls = sorted(_FIRST_CALL_ENV.values(), key=str)
+    assert first_calls.count(("xla", None)) == 1 and first_calls.count((None, "pallas")) == 1
+    assert set(first_calls) == {("xla", None), (None, "pallas"), (None, None)}  # the others: the run's own
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0 and r["spin_median_ms"] > 0
@@ -306,6 +332,22 @@ def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
     assert out["gate"]["enabled"] and out["gate"]["needed_bytes"] == out["gate"]["compiled_bytes"]
 
 
+def test_versus_flag_parses_kernel_choices_and_needs_a_split_path(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--versus", "mlp=xla, tile-race=pallas"]).versus == (
+        ("mlp", "xla"),
+        ("tile_race", "pallas"),
+    )
+    assert parser.parse_args([]).versus == ()
+    for bad in ("", "mlp", "mlp=cuda", "cuda=xla", "mlp=xla,"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--versus", bad])
+        assert f"--versus={bad!r} is invalid:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--versus times the split paths: add split_greedy or split to --paths"):
+        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", "--versus", "mlp=xla"])
+
+
 def test_cuts_flag_parses_and_needs_a_split_path(capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -324,7 +366,7 @@ def test_kernel_choice_flags_parse_every_choice_and_refuse_others(capsys):
     its variable's choices only (``run`` then sets the variable)."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    for flag, choices, variable, _ in bench._ENV_FLAGS:
+    for flag, choices, variable, _ in bench.ENV_FLAGS:
         option = f"--{flag.replace('_', '-')}"
         assert getattr(parser.parse_args([]), flag) is None
         for choice in choices:
@@ -333,4 +375,4 @@ def test_kernel_choice_flags_parse_every_choice_and_refuse_others(capsys):
             parser.parse_args([option, "cuda"])
         assert f"argument {option}: invalid choice: 'cuda'" in capsys.readouterr().err
         assert f"(sets {variable};" in " ".join(parser.format_help().split())
-    assert ("mlp", ("auto", "xla", "pallas"), "DSPARK_JAX_MLP") in {f[:3] for f in bench._ENV_FLAGS}
+    assert ("mlp", ("auto", "xla", "pallas"), "DSPARK_JAX_MLP") in {f[:3] for f in bench.ENV_FLAGS}
