@@ -12,7 +12,9 @@ vocabulary tile ``j`` on the tensor cores (float32 accumulation, rounded to the 
 as XLA's GEMM output is), adds the base logits and writes the tile's best float32 logit and
 the lowest id holding it, so the bias never goes to memory (at batch 128 it was 39 MB
 written and read per step). :func:`pick_tiles` then takes each row's token from its tiles
-and gathers the next step's ``markov_w1`` row, in one program per row.
+and gathers the next step's ``markov_w1`` row, in one program per row. On odd steps program
+``(i, j)`` reads tile ``NT − 1 − j`` instead (:func:`walk_tile`): a step then starts on the
+tiles the step before it read last, some of them still in L2 (README note 70).
 
 Same maths as the XLA greedy step (NaN as ``-inf``, ties to the lowest id). The bias is a
 sum over ``r`` whose float32 order may differ from the XLA GEMM's, so a bias can differ by

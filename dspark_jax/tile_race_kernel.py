@@ -14,7 +14,8 @@ values (:func:`dspark_jax.sampling.race_blocks`). The race kernel
 (:mod:`dspark_jax.race_kernel`) takes the bias from an XLA GEMM, which writes it to memory and
 reads it back. Here the vocabulary tile of the kernel is the race block, so one pass does it
 all, as :mod:`dspark_jax.greedy_kernel` does for greedy-only rounds: program ``(i, j)``
-multiplies row block ``i``'s latents by block ``j`` of the table on the tensor cores, adds the
+multiplies row block ``i``'s latents by block ``j`` of the table (``NB − 1 − j`` on odd steps,
+:func:`~dspark_jax.greedy_kernel.walk_tile`) on the tensor cores, adds the
 base logits, writes the kept sums into slot ``k`` (the buffer is aliased from step to step),
 and writes, per row, the block's best float32 logit and lowest id holding it (a greedy row) or
 the block's score in the blocks' race (a sampling row: :func:`~dspark_jax.sampling.block_scores`
