@@ -332,33 +332,33 @@ def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
     assert out["gate"]["enabled"] and out["gate"]["needed_bytes"] == out["gate"]["compiled_bytes"]
 
 
-def test_versus_flag_parses_kernel_choices_and_needs_a_split_path(capsys):
+@pytest.mark.parametrize(
+    "flag, text, parsed, bads, message, needing_split",
+    [
+        ("cuts", "1:1,1,1", ((1,), (1, 1, 1)), ("", "1:", "0", "1,x", "1,-1"), "must be ':'-separated cuts", "1"),
+        (
+            "versus",
+            "mlp=xla, tile-race=pallas",
+            (("mlp", "xla"), ("tile_race", "pallas")),
+            ("", "mlp", "mlp=cuda", "cuda=xla", "mlp=xla,"),
+            "",
+            "mlp=xla",
+        ),
+    ],
+)
+def test_split_path_flags_parse_and_need_a_split_path(capsys, flag, text, parsed, bads, message, needing_split):
+    """``--cuts`` and ``--versus`` parse their values, refuse bad ones by name, and add split
+    paths only: without one in ``--paths`` the run stops."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    assert parser.parse_args(["--versus", "mlp=xla, tile-race=pallas"]).versus == (
-        ("mlp", "xla"),
-        ("tile_race", "pallas"),
-    )
-    assert parser.parse_args([]).versus == ()
-    for bad in ("", "mlp", "mlp=cuda", "cuda=xla", "mlp=xla,"):
+    assert getattr(parser.parse_args([f"--{flag}", text]), flag) == parsed
+    assert getattr(parser.parse_args([]), flag) == ()
+    for bad in bads:
         with pytest.raises(SystemExit):
-            parser.parse_args(["--versus", bad])
-        assert f"--versus={bad!r} is invalid:" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--versus times the split paths: add split_greedy or split to --paths"):
-        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", "--versus", "mlp=xla"])
-
-
-def test_cuts_flag_parses_and_needs_a_split_path(capsys):
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    assert parser.parse_args(["--cuts", "1:1,1,1"]).cuts == ((1,), (1, 1, 1))
-    assert parser.parse_args([]).cuts == ()
-    for bad in ("", "1:", "0", "1,x", "1,-1"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--cuts", bad])
-        assert f"--cuts={bad!r} is invalid: must be ':'-separated cuts" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--cuts times the split paths: add split_greedy or split to --paths"):
-        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", "--cuts", "1"])
+            parser.parse_args([f"--{flag}", bad])
+        assert f"--{flag}={bad!r} is invalid: {message}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"--{flag} times the split paths: add split_greedy or split to --paths"):
+        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--paths", "folded", f"--{flag}", needing_split])
 
 
 def test_kernel_choice_flags_parse_every_choice_and_refuse_others(capsys):
