@@ -50,6 +50,7 @@ from flax import nnx
 from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV, attention_choice, use_kernel
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.cpu_awake import CpuAwake
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.mlp_kernel import MLP_CHOICES, MLP_ENV, mlp_choice, use_mlp_kernel
@@ -1097,6 +1098,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{ceil['matmul_waited_ms'] - ceil['matmul_pipelined_ms']:+.3f} ms waited"
             )
     meta = result.get("meta", {})
+    if meta.get("awake_spinners"):
+        lines.append(f"host: timed with {meta['awake_spinners']} spinners at nice 19 keeping the CPUs awake (--awake)")
     if "attention" in meta:
         kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
@@ -1357,6 +1360,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{what} (sets {variable}; default: the environment's, else auto)",
         )
+    parser.add_argument(
+        "--awake",
+        action="store_true",
+        help="time with a lowest-priority spinner on every CPU, so that none halts while the device works "
+        "(dspark_jax.CpuAwake; PyTorch included, the compile stage not)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1400,11 +1409,17 @@ def run(args: argparse.Namespace) -> int:
             "context": shapes.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax": jax.__version__,
+            "awake_spinners": len(CpuAwake().cpus) if args.awake else 0,
         }
     }
+
+    def awake():  # the timed stages' host (README note 74)
+        return CpuAwake() if args.awake else contextlib.nullcontext()
+
     # Subprocesses first: this process's device allocator must not hold the memory yet.
     if not args.no_torch:
-        result["torch"] = bench_torch(shapes, batches, iters)
+        with awake():
+            result["torch"] = bench_torch(shapes, batches, iters)
         _save(args.out, result)
     cache_dir = tempfile.mkdtemp(prefix="dspark_bench_cache_")
     previous = jax.config.jax_compilation_cache_dir
@@ -1414,7 +1429,8 @@ def run(args: argparse.Namespace) -> int:
             _save(args.out, result)
             # The timed programs below load what the compile runs stored.
             jax.config.update("jax_compilation_cache_dir", cache_dir)
-        _measure(args, shapes, batches, iters, eager_iters, result)
+        with awake():
+            _measure(args, shapes, batches, iters, eager_iters, result)
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
         shutil.rmtree(cache_dir, ignore_errors=True)

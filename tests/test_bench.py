@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import bench
+from dspark_jax.cpu_awake import CpuAwake, host_cpus
 from dspark_jax.greedy_kernel import GREEDY_ENV
 from dspark_jax.mlp_kernel import MLP_ENV
 from dspark_jax.race_kernel import race_supported
@@ -21,6 +22,9 @@ _ON_GPU = jax.default_backend() == "gpu"
 
 # SplitRound instance -> (DSPARK_JAX_GREEDY, DSPARK_JAX_MLP) when it was first called in tiny_result
 _FIRST_CALL_ENV: dict[int, tuple[str | None, str | None]] = {}
+# --awake: the CpuAwake instances the run entered, and how many spinners ran at each SplitRound call
+_AWAKE: list[CpuAwake] = []
+_SPINNERS_AT_CALL: list[int] = []
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +32,20 @@ def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
     argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2"]
-    argv += ["--versus", "greedy=xla, mlp=pallas", "--out", str(out)]
+    argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--out", str(out)]
     before = os.environ.get(bench.BACKBONE_GEMM_ENV)
     original_call = SplitRound.__call__
 
     def recording_call(self, *args, **kwargs):
         _FIRST_CALL_ENV.setdefault(id(self), (os.environ.get(GREEDY_ENV), os.environ.get(MLP_ENV)))
+        _SPINNERS_AT_CALL.append(sum(len(a.pids) for a in _AWAKE))
         return original_call(self, *args, **kwargs)
+
+    original_enter = CpuAwake.__enter__
+
+    def recording_enter(self):
+        _AWAKE.append(self)
+        return original_enter(self)
 
     with pytest.MonkeyPatch.context() as patch:
         # recorded, so the context restores the variable the run sets (delenv of an unset name
@@ -43,11 +54,19 @@ def tiny_result(tmp_path_factory):
         for variable in (GREEDY_ENV, MLP_ENV):
             patch.delenv(variable, raising=False)
         patch.setattr(SplitRound, "__call__", recording_call)
+        patch.setattr(CpuAwake, "__enter__", recording_enter)
         assert bench.main(argv) == 0
         assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
         assert GREEDY_ENV not in os.environ and MLP_ENV not in os.environ  # --versus restores them
     assert os.environ.get(bench.BACKBONE_GEMM_ENV) == before
     return json.loads(out.read_text())
+
+
+def test_awake_runs_a_spinner_per_cpu_while_timing_and_stops_them(tiny_result):
+    assert tiny_result["meta"]["awake_spinners"] == len(host_cpus())
+    assert _AWAKE and _SPINNERS_AT_CALL and set(_SPINNERS_AT_CALL) == {len(host_cpus())}
+    assert all(a.pids == [] for a in _AWAKE)  # stopped after the timed stages
+    assert f"timed with {len(host_cpus())} spinners" in bench.format_table(tiny_result)
 
 
 def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
