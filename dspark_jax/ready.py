@@ -7,8 +7,10 @@ default (CUDA's automatic schedule spins when the process has fewer contexts tha
 cores). The benchmark times both waits so that its PyTorch comparison can be read on the
 same footing. Measured on the H200 host (split round, 8B draft, 2026-11-29): a scratch A/B
 saw the spin-waited batch-1 median 0.05–0.15 ms lower, but in the two benchmark runs that
-followed it was within ±0.2 ms of the blocking wait and not consistently lower, so the
-wake-up is not what separates the medians from the device time. A loop that hands the
+followed it was within ±0.2 ms of the blocking wait and not consistently lower: polling keeps
+one CPU awake, but the runtime's own threads (the completion, the next dispatch) still run on
+CPUs that halt while the device works. :class:`dspark_jax.CpuAwake` keeps all of them awake,
+which took the batch-1 median from 1.37 to 1.18 ms (README note 74). A loop that hands the
 result to the next device computation needs no wait at all.
 """
 
