@@ -50,7 +50,7 @@ from flax import nnx
 from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV, attention_choice, use_kernel
 from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
-from dspark_jax.cpu_awake import CpuAwake
+from dspark_jax.cpu_awake import CpuAwake, host_cpus
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.mlp_kernel import MLP_CHOICES, MLP_ENV, mlp_choice, use_mlp_kernel
@@ -1409,7 +1409,7 @@ def run(args: argparse.Namespace) -> int:
             "context": shapes.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax": jax.__version__,
-            "awake_spinners": len(CpuAwake().cpus) if args.awake else 0,
+            "awake_spinners": len(host_cpus()) if args.awake else 0,
         }
     }
 
