@@ -19,6 +19,10 @@ the device. Use them on a host dedicated to serving, around the latency-critical
         block = split(cache, bonus, prefix_lens, temps, top_k, key, fold_sampling=False)
 
 ``dspark-jax bench --awake`` times everything (PyTorch included) with them running.
+
+Not for a container whose CPU time is capped by a quota (cgroup ``cpu.max``) rather than by
+its CPU set: the spinners would spend the quota, and the scheduler then throttles the caller
+too. Nice levels order tasks within a CPU, not against a quota.
 """
 
 from __future__ import annotations
