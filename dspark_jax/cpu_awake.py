@@ -3,10 +3,10 @@
 On a virtual machine, a CPU with nothing to run halts, and the hypervisor may then take the
 virtual CPU off its physical core; waking it again (when the GPU's completion arrives, or the
 next call's dispatch starts) costs tens to hundreds of microseconds. On the H200 hosts this
-project measures on, a jitted bf16 product of ~1 ms device time was ready 0.21–0.39 ms after
-its device time when each call was waited for (README note 68), and the split draft round
-paid the same. With a spinner of the lowest priority on every CPU, none of them halts and the
-same product was ready within 0.02 ms of it (README note 74).
+project measures on, a jitted bf16 product of ~1 ms device time was ready 0.21–0.43 ms after
+its device time when each call was waited for (README notes 68 and 74), and the split draft
+round paid the same. With a spinner of the lowest priority on every CPU, none of them halts
+and the same product was ready within 0.02 ms of it (README note 74; +0.12 ms on one machine).
 
 :class:`CpuAwake` starts those spinners: one process per CPU the caller may run on, each
 pinned to its CPU at nice 19 (it yields to any other work there at once) and looping until
@@ -35,7 +35,7 @@ import time
 SPINNER_NICE = 19
 """The spinners' niceness (the lowest priority of the normal scheduler)."""
 
-# The spinner: pins itself, lowers its priority, then loops, checking every ~10 ms that
+# The spinner: pins itself, lowers its priority, then loops, checking every few milliseconds that
 # its parent is still alive (so that a parent killed without cleanup leaves no spinner behind).
 _SPINNER = """
 import os, sys
