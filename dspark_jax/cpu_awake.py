@@ -40,7 +40,7 @@ SPINNER_NICE = 19
 _SPINNER = """
 import os, sys
 cpu, nice, parent = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-if cpu >= 0 and hasattr(os, "sched_setaffinity"):
+if cpu >= 0:  # -1: the parent found no affinity call
     os.sched_setaffinity(0, {cpu})
 os.nice(nice)
 sys.stdout.write("ready\\n")
