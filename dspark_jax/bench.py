@@ -656,7 +656,7 @@ def bench_propose(
         timings = time_calls({i: call for i, (_, call) in enumerate(pending)}, iters=iters, rounds=min(3, iters))
         for i, (row, call) in enumerate(pending):
             row.update(timings[i])
-            if profile and not row["path"].startswith("proposer") and row["mode"] in ("greedy", "mixed"):
+            if profile and not row["path"].startswith("proposer"):  # every mode: sampling rounds differ too
                 try:
                     row["profile"] = profile_kernels(call, iters=min(iters, 10))
                 except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing

@@ -32,7 +32,7 @@ def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
     argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2"]
-    argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--out", str(out)]
+    argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--profile", "--out", str(out)]
     before = os.environ.get(bench.BACKBONE_GEMM_ENV)
     original_call = SplitRound.__call__
 
@@ -96,6 +96,17 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
             assert r["tokens_compared"] > 0 and r["tokens_differ"] == 0, r
         if r["path"].startswith(("folded", "split")):
             assert r["floor_ms"] > 0 and r["floor_bound"] in ("bytes", "flops")
+
+
+def test_profile_covers_every_mode_of_the_compiled_paths(tiny_result):
+    profiled = {(r["mode"], r["path"]) for r in tiny_result["propose"] if "profile" in r}
+    for mode in bench.MODES:
+        for path in ("folded", "split", "split@2", "split@greedy=xla"):
+            assert (mode, path) in profiled, (mode, path)
+    assert not any(path.startswith(("proposer", "eager")) for _, path in profiled)
+    for r in tiny_result["propose"]:
+        if "profile" in r:  # the CPU records no device plane: no kernels, but the fields are there
+            assert {"calls", "device_busy_ms", "launches_per_call", "kernels"} <= set(r["profile"]), r["profile"]
 
 
 def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
