@@ -457,6 +457,15 @@ def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 80) -> dict
     }
 
 
+def profile_call(call: Callable[[], Any], iters: int) -> dict[str, Any]:
+    """:func:`profile_kernels` over ``min(iters, 10)`` calls, or ``{"error": repr}`` when the
+    profiler fails (a missing profiler must not stop the timing)."""
+    try:
+        return profile_kernels(call, iters=min(iters, 10))
+    except Exception as err:  # noqa: BLE001
+        return {"error": repr(err)}
+
+
 # --------------------------------------------------------------------------- propose
 def _inputs(cfg: DraftConfig, batch: int, context: int, capacity: int, seed: int) -> dict[str, Any]:
     key = jax.random.key(seed)
@@ -657,10 +666,7 @@ def bench_propose(
         for i, (row, call) in enumerate(pending):
             row.update(timings[i])
             if profile and not row["path"].startswith("proposer"):  # every mode: sampling rounds differ too
-                try:
-                    row["profile"] = profile_kernels(call, iters=min(iters, 10))
-                except Exception as err:  # noqa: BLE001 - a missing profiler must not stop the timing
-                    row["profile"] = {"error": repr(err)}
+                row["profile"] = profile_call(call, iters)
             rows.append(row)
         mem_row["peak_after_timing_bytes"] = _memory_stat("peak_bytes_in_use")
         if proposer_blocks:  # the split round on the Proposer's slots 0..B-1
@@ -1501,7 +1507,12 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         from dspark_jax.bench_walk import bench_walk  # it imports this module
 
         result["walk"] = bench_walk(
-            nnx.merge(graphdef, state), batches=batches, modes=args.modes, iters=iters, tunings=args.race_tunings
+            nnx.merge(graphdef, state),
+            batches=batches,
+            modes=args.modes,
+            iters=iters,
+            tunings=args.race_tunings,
+            profile=args.profile,
         )
         _save(args.out, result)
     del graphdef, state

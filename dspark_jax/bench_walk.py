@@ -24,7 +24,9 @@ Paths, each its own compiled program over the same inputs:
 Each row gives the median of calls waited for, the per-call time of calls dispatched back
 to back (``pipelined``) and that per step (``step_us``), and whether its tokens equal the
 reference path's for the same inputs and key (``greedy_only`` for greedy batches, else
-``folded``).
+``folded``). With ``--profile`` each row also records its device time per kernel, and the
+table gives the device time per walk (README note 75 took the walk's mode difference apart
+this way).
 
 Shape legend: B batch, γ draft slots, V vocabulary, H hidden.
 """
@@ -39,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.bench import environment, sampling_params, time_calls
+from dspark_jax.bench import environment, profile_call, sampling_params, time_calls
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import returned_corrected, walk_block
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel
@@ -83,6 +85,7 @@ def bench_walk(
     modes: tuple[str, ...],
     iters: int,
     tunings: tuple[RaceTuning, ...] = (),
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Times the walk's paths for every batch and mode (interleaved per batch, :func:`time_calls`).
 
@@ -92,13 +95,16 @@ def bench_walk(
       modes: subset of :data:`dspark_jax.bench.MODES`.
       iters: timed calls per loop of :func:`~dspark_jax.bench.time_call`.
       tunings: race-kernel layouts timed besides the default, where the kernel applies.
+      profile: also record each path's device time per kernel
+        (:func:`~dspark_jax.bench.profile_call`) as the row's ``profile``.
 
     Returns:
       One dict per (batch, mode, path): ``batch``, ``mode``, ``path``, ``kernel`` (the
       folded walk's kernel that ran: ``tiles``, ``race`` or None), ``tuning`` (the race
       kernel's layout label, None for the default or XLA),
       :func:`~dspark_jax.bench.time_call`'s statistics, ``step_us``,
-      ``tokens_reference``, ``tokens_differ``, ``tokens_compared``.
+      ``tokens_reference``, ``tokens_differ``, ``tokens_compared``, and with ``profile`` the
+      ``profile`` dict.
 
     Raises:
       ValueError: the draft has no Markov head.
@@ -139,6 +145,7 @@ def bench_walk(
         for (mode, path), stats in timed.items():
             reference = "greedy_only" if mode == "greedy" else "folded"
             tokens, ref_tokens = results[(mode, path)], results[(mode, reference)]
+            extra = {"profile": profile_call(calls[(mode, path)], iters)} if profile else {}
             rows.append(
                 {
                     "batch": batch,
@@ -151,6 +158,7 @@ def bench_walk(
                     "tokens_reference": reference,
                     "tokens_differ": int((tokens != ref_tokens).sum()),
                     "tokens_compared": int(tokens.size),
+                    **extra,
                 }
             )
     return rows
@@ -161,17 +169,23 @@ def format_walk(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     greedy_step = {r["batch"]: r["step_us"] for r in rows if r["path"] == "greedy_only"}
+    busy = any("profile" in r for r in rows)
     lines = [
         "Markov walk alone (the γ steps after the lm_head), ms; step = pipelined per step, µs; "
-        "vs greedy = step time over the greedy-only program's at the same batch",
-        f"{'batch':>5} {'mode':<8} {'path':<16} {'median':>8} {'pipelined':>9} {'step':>7} {'vs greedy':>9}  tokens",
+        "vs greedy = step time over the greedy-only program's at the same batch"
+        + ("; busy = device time per walk from a profile, µs (0 where the backend records none)" if busy else ""),
+        f"{'batch':>5} {'mode':<8} {'path':<16} {'median':>8} {'pipelined':>9} {'step':>7} {'vs greedy':>9}"
+        + (f" {'busy':>7}" if busy else "")
+        + "  tokens",
     ]
     for r in rows:
         base = greedy_step.get(r["batch"])
         ratio = f"{r['step_us'] / base:9.3f}" if base else f"{'-':>9}"
         same = "same" if r["tokens_differ"] == 0 else f"{r['tokens_differ']}/{r['tokens_compared']} differ"
+        device = r.get("profile", {}).get("device_busy_ms")
+        column = (f" {1e3 * device:7.1f}" if device is not None else f" {'-':>7}") if busy else ""
         lines.append(
             f"{r['batch']:>5} {r['mode']:<8} {r['path']:<16} {r['median_ms']:8.3f} {r['pipelined_ms']:9.3f} "
-            f"{r['step_us']:7.1f} {ratio}  {same} (vs {r['tokens_reference']})"
+            f"{r['step_us']:7.1f} {ratio}{column}  {same} (vs {r['tokens_reference']})"
         )
     return lines

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,7 +26,7 @@ def tiny_draft():
 
 def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft, monkeypatch):
     monkeypatch.setenv(RACE_ENV, "xla")
-    rows = bench_walk.bench_walk(tiny_draft, batches=(3,), modes=bench.MODES, iters=2)
+    rows = bench_walk.bench_walk(tiny_draft, batches=(3,), modes=bench.MODES, iters=2, profile=True)
     seen = [(r["batch"], r["mode"], r["path"]) for r in rows]
     expected = [(3, "greedy", "greedy_only")] + [(3, m, "folded") for m in bench.MODES]
     assert sorted(seen) == sorted(expected)  # no folded_xla row: the kernel is off
@@ -36,6 +37,8 @@ def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft,
         assert r["step_us"] == pytest.approx(1e3 * r["pipelined_ms"] / gamma)
         assert r["tokens_compared"] == r["batch"] * gamma and r["tokens_differ"] == 0
         assert r["tokens_reference"] == ("greedy_only" if r["mode"] == "greedy" else "folded")
+        assert r["profile"]["calls"] == 2  # every path and mode profiled; a CPU records no device time
+        assert (r["profile"]["device_busy_ms"] > 0) == (jax.default_backend() == "gpu")
 
 
 def test_walk_times_the_kernel_against_the_xla_sampler_and_their_tokens_agree(monkeypatch):
@@ -113,6 +116,11 @@ def test_walk_table_gives_step_ratios_and_names_differing_tokens():
     assert "1.200" in lines[3] and "3/14 differ (vs folded)" in lines[3]
     assert bench_walk.format_walk([]) == []
     assert "Markov walk alone" in bench.format_table({"walk": rows})
+    assert "busy" not in lines[1]  # no profile, no column
+    profiled = [{**rows[0], "profile": {"device_busy_ms": 0.1875}}, rows[1]]
+    lines = bench_walk.format_walk(profiled)
+    assert "busy = device time per walk" in lines[0] and lines[1].split()[-2:] == ["busy", "tokens"]
+    assert "  187.5  same" in lines[2] and "      -  3/14 differ" in lines[3]
 
 
 def test_race_tunings_flag_parses_and_needs_walk(capsys):
