@@ -152,6 +152,10 @@ def _tile_kernel(
     ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
     ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
     and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column).
+
+    With one real row (``batch`` 1) the program takes that row out of the tensor cores' 16-row
+    tile and finishes it alone (the padding rows get score ``-inf`` and token 0), so the
+    race's arithmetic runs on 1 row instead of 16 (README note 77).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -174,6 +178,13 @@ def _tile_kernel(
         return acc + jax.lax.dot_general(z, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, rank // chunk, body, jnp.zeros((rows, width), jnp.float32))
+    if batch == 1 < rows:  # one real row: finish it alone, not its tensor-core tile's padding too
+        row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        acc = jnp.where(row == 0, acc, -jnp.inf).max(axis=0, keepdims=True)  # [1, W], row 0's sums exactly
+        column, padding = (pl.ds(0, rows), pl.ds(block, 1)), row > 0  # Triton takes power-of-two shapes only
+        plgpu.store(score_ref.at[column], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
+        plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
+        rows = 1
     bias = acc.astype(w2_ref.dtype).astype(jnp.float32)  # rounded as XLA's GEMM output is
     here = pl.ds(first_row, rows)
     real = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < batch  # [rows]
