@@ -10,9 +10,6 @@ times, so compiling dominates (measured on a 2-core CPU: the race-kernel and spl
 modules 131 s → 97 s). Same maths: XLA's CPU backend does not relax floating point at any
 level, and every comparison is between programs compiled alike or against NumPy with a
 tolerance. On GPU machines the programs are compiled as the library compiles them.
-
-The README's test command runs the modules in two processes (``pytest-xdist``, ``-n 2``); on
-an accelerator machine neither process then preallocates the device's memory.
 """
 
 import importlib.metadata
@@ -33,9 +30,6 @@ def _cpu_only() -> bool:
 if _cpu_only():  # before jax reads XLA_FLAGS (when its first backend starts)
     fast_compile = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fast_compile}".strip()
-elif os.environ.get("PYTEST_XDIST_WORKER"):  # the README's `-n 2` on an accelerator machine
-    # two test processes share the accelerator: neither may claim most of its memory up front
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
