@@ -63,11 +63,13 @@ Triton GEMMs off at every batch and backend; off GPUs the option changes nothing
 
 BACKBONE_GEMM_CHOICES = ("auto", "xla", "cublas")
 
-CUBLAS_BATCHES = frozenset({8, 16, 64})
+CUBLAS_BATCHES = frozenset({8, 16, 64, 128})
 """The batches whose backbone pieces ``auto`` compiles with cuBLAS GEMMs. Measured on the H200
 with the 8B draft (README note 53), split greedy round, cuBLAS against XLA's choice, pipelined:
 −0.11, −0.09 and −0.09 to −0.12 ms per round at batches 8, 16 and 64; slower at 1, 2, 4 (+0.05
-to +0.09 ms) and 32 (+0.03 to +0.04); at 128 no faster. Other batch sizes keep XLA's choice."""
+to +0.09 ms) and 32 (+0.03 to +0.04). At 128 (README note 80, two processes of 240 interleaved
+calls): −0.10 and −0.13 ms pipelined, −0.04 and −0.06 waited, 0.16 ms less device time. Other
+batch sizes keep XLA's choice."""
 
 
 def backbone_gemm_choice() -> str:
