@@ -420,6 +420,9 @@ def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, flo
 def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 80) -> dict[str, Any]:
     """Device time per kernel over ``iters`` calls, from a ``jax.profiler`` trace.
 
+    The trace runs without the profiler's Python tracer: only device events are read, and
+    the tracer slows the host's Python several-fold (README notes 65 and 82).
+
     Returns:
       ``{"calls", "device_busy_ms" (per call, summed over kernels), "launches_per_call",
       "kernels": [{name,
@@ -427,8 +430,10 @@ def profile_kernels(fn: Callable[[], Any], *, iters: int, top: int = 80) -> dict
       backend records no device plane (the CPU).
     """
     jax.block_until_ready(fn())
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # device events only are read
     with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
+        jax.profiler.start_trace(tmp, profiler_options=options)
         for _ in range(iters):
             jax.block_until_ready(fn())
         jax.profiler.stop_trace()
