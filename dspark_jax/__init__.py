@@ -58,6 +58,7 @@ _EXPORTS = {
     "Proposer": "dspark_jax.proposer",
     "SplitRound": "dspark_jax.split_round",
     "spin_until_ready": "dspark_jax.ready",
+    "PowerSampler": "dspark_jax.gpu_power",
     "CpuAwake": "dspark_jax.cpu_awake",
     "CompileCounter": "dspark_jax.proposer",
     "batch_buckets": "dspark_jax.proposer",

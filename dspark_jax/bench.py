@@ -52,6 +52,7 @@ from dspark_jax.cache import ContextCache, fill_context
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.cpu_awake import CpuAwake, host_cpus
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.gpu_power import PowerSampler
 from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV, greedy_choice, use_greedy_kernel
 from dspark_jax.mlp_kernel import MLP_CHOICES, MLP_ENV, mlp_choice, use_mlp_kernel
 from dspark_jax.presets import load_preset
@@ -257,10 +258,11 @@ def floor_ms(cost: dict[str, float], bandwidth: float, flop_rate: float) -> tupl
 
 
 # --------------------------------------------------------------------------- timing
-def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int) -> dict[str, list[float]]:
+def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int, idle_s: float = 0.0) -> dict[str, list[float]]:
     """Raw wall times (ms) of ``fn()`` for :func:`time_call`: ``latency`` and ``dispatch`` per
     call waited for on its own, ``pipelined`` one total over ``iters`` calls dispatched back to
-    back (``pipelined_calls`` of them), ``released`` and ``spin`` per call."""
+    back (``pipelined_calls`` of them), ``released`` and ``spin`` per call, and with ``idle_s``
+    > 0 ``idle`` per call waited for after ``idle_s`` seconds of sleep."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times, dispatch = [], []
@@ -287,6 +289,12 @@ def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int) -> dict[str
         t0 = time.perf_counter()
         out = spin_until_ready(fn())
         spin.append((time.perf_counter() - t0) * 1e3)
+    idle = []
+    for _ in range(iters if idle_s > 0 else 0):
+        time.sleep(idle_s)  # the device idles too: its clock recovers from the power cap (README note 84)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        idle.append((time.perf_counter() - t0) * 1e3)
     del out
     return {
         "latency": times,
@@ -295,6 +303,7 @@ def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int) -> dict[str
         "pipelined_calls": [iters],
         "released": released,
         "spin": spin,
+        **({"idle": idle} if idle else {}),
     }
 
 
@@ -309,6 +318,7 @@ def _summary(samples: dict[str, list[float]]) -> dict[str, float]:
         "pipelined_ms": sum(samples["pipelined"]) / sum(samples["pipelined_calls"]),
         "released_median_ms": float(np.median(samples["released"])),
         "spin_median_ms": float(np.median(samples["spin"])),
+        **({"idle_median_ms": float(np.median(samples["idle"]))} if samples.get("idle") else {}),
         "iters": len(samples["latency"]),
     }
 
@@ -332,7 +342,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str, float]:
+def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3, idle_s: float = 0.0) -> dict[str, float]:
     """Wall time (ms) of ``fn()``: each call alone, and back to back.
 
     Returns:
@@ -346,12 +356,17 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3) -> dict[str
       block once verified: XLA then need not update the program's CUDA graph for new output
       addresses); ``spin_median_ms``, the median when each call is waited for by polling
       (:func:`~dspark_jax.ready.spin_until_ready`, the way ``torch.cuda.synchronize`` waits
-      by default) instead of ``jax.block_until_ready``; ``iters``.
+      by default) instead of ``jax.block_until_ready``; with ``idle_s`` > 0,
+      ``idle_median_ms``, the median of calls each made after ``idle_s`` seconds of sleep (the
+      device idle too, so that its clock is not held down by the board's power cap, README note
+      84); ``iters``.
     """
-    return _summary(_time_samples(fn, iters=iters, warmup=warmup))
+    return _summary(_time_samples(fn, iters=iters, warmup=warmup, idle_s=idle_s))
 
 
-def time_calls(calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3) -> dict[Any, dict[str, float]]:
+def time_calls(
+    calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3, idle_s: float = 0.0
+) -> dict[Any, dict[str, float]]:
     """:func:`time_call` for several calls, interleaved so that drift hits them alike.
 
     Each of ``rounds`` rounds times every call in turn for ``⌈iters / rounds⌉`` calls of each
@@ -366,11 +381,14 @@ def time_calls(calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int =
     """
     if rounds < 1 or iters < 1:
         raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
+    if not idle_s >= 0:
+        raise ValueError(f"idle_s={idle_s!r} is invalid: must be a number of seconds >= 0")
     per_round = -(-iters // rounds)
     merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
     for r in range(rounds):
         for name, fn in calls.items():
-            for key, values in _time_samples(fn, iters=per_round, warmup=3 if r == 0 else 2).items():
+            samples = _time_samples(fn, iters=per_round, warmup=3 if r == 0 else 2, idle_s=idle_s)
+            for key, values in samples.items():
                 merged[name].setdefault(key, []).extend(values)
     return {name: _summary(samples) for name, samples in merged.items()}
 
@@ -541,6 +559,7 @@ def bench_propose(
     paths: tuple[str, ...] = PATHS,
     cuts: tuple[int | tuple[int, ...], ...] = (),
     versus: tuple[tuple[str, str], ...] = (),
+    idle_ms: float = 0.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
@@ -567,7 +586,10 @@ def bench_propose(
     Every row also compares the path's draft tokens with those of the first path timed for
     its batch and mode, from the same inputs and key (:func:`_token_parity`); the Proposer
     reads its own cache slots, so both its paths are compared with the split round run on
-    those slots.
+    those slots. With ``idle_ms`` > 0 every path is also timed with that much idle before each
+    call (``idle_median_ms``, :func:`time_call`). Where the GPU's driver answers NVML, each
+    row's ``board`` says what the board did while its batch was timed
+    (:meth:`~dspark_jax.gpu_power.PowerSampler.summary`: SM clock, power, power-cap share).
 
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
@@ -667,9 +689,18 @@ def bench_propose(
             pending.append(({"batch": batch, "mode": mode, "path": path}, call_proposer))
         mem_row["peak_after_first_calls_bytes"] = _memory_stat("peak_bytes_in_use")
         # every path and mode of this batch timed in interleaved rounds (time_calls)
-        timings = time_calls({i: call for i, (_, call) in enumerate(pending)}, iters=iters, rounds=min(3, iters))
+        with PowerSampler() as sampler:
+            timings = time_calls(
+                {i: call for i, (_, call) in enumerate(pending)},
+                iters=iters,
+                rounds=min(3, iters),
+                idle_s=idle_ms / 1e3,
+            )
+        board = sampler.summary()
         for i, (row, call) in enumerate(pending):
             row.update(timings[i])
+            if board is not None:
+                row["board"] = board
             if profile and not row["path"].startswith("proposer"):  # every mode: sampling rounds differ too
                 row["profile"] = profile_call(call, iters)
             rows.append(row)
@@ -1086,6 +1117,28 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _board_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per batch on what the GPU board did while that batch was timed (rows' ``board``)."""
+    lines, seen = [], set()
+    for r in rows:
+        board = r.get("board")
+        if board is None or r["batch"] in seen:
+            continue
+        seen.add(r["batch"])
+        limit = f" of its {board['power_limit_w']:.0f} W limit" if board.get("power_limit_w") else ""
+        slowdowns = "".join(
+            f", {name} in {board[key]:.0%}"
+            for key, name in (("thermal_share", "thermal slowdown"), ("hw_slowdown_share", "hardware slowdown"))
+            if board.get(key)
+        )
+        lines.append(
+            f"board while batch {r['batch']} was timed: SM clock median {board['sm_clock_mhz_median']:.0f} MHz "
+            f"(p10 {board['sm_clock_mhz_p10']:.0f}), power median {board['power_w_median']:.0f} W{limit}, "
+            f"held at the power cap in {board['power_capped_share']:.0%} of {board['samples']} samples{slowdowns}"
+        )
+    return lines
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The printed summary of a :func:`main` result."""
     lines = []
@@ -1136,7 +1189,7 @@ def format_table(result: dict[str, Any]) -> str:
     width = max([15] + [len(r["path"]) for r in result.get("propose", [])])  # the path column
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<{width}} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
-        f"{'released':>8} {'spin':>7} "
+        f"{'released':>8} {'spin':>7} {'idle':>7} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
         f"{'graph/jax':>9} {'graph/spin':>10}"
     )
@@ -1144,7 +1197,8 @@ def format_table(result: dict[str, Any]) -> str:
         "propose latency, ms: median and p90 of calls waited for one by one; dispatch = host time per call; "
         "pipelined = per call when dispatched back to back; released = median when the previous result is "
         "dropped before each call; spin = median when each call is waited for by polling, as "
-        "torch.cuda.synchronize waits (graph/spin compares the two on that footing)",
+        "torch.cuda.synchronize waits (graph/spin compares the two on that footing); idle = median when the "
+        "device idles --idle-ms before each call (its clock not held down by the board's power cap)",
         header,
         "-" * len(header),
     ]
@@ -1156,7 +1210,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['batch']:>5} {r['mode']:<8} {r['path']:<{width}} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
             f"{r['dispatch_ms']:>8.3f} {r['pipelined_ms']:>9.3f} {_fmt(r.get('released_median_ms')):>8} "
-            f"{_fmt(r.get('spin_median_ms')):>7} "
+            f"{_fmt(r.get('spin_median_ms')):>7} {_fmt(r.get('idle_median_ms')):>7} "
             f"{_fmt(r.get('floor_ms')):>7} "
             f"{r.get('floor_bound', '-'):<5} "
             f"{_fmt(r['median_ms'] / r['floor_ms'] if r.get('floor_ms') else None, '.2f'):>7} "
@@ -1165,6 +1219,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(graph):>11} {_fmt(graph / r['median_ms'] if graph else None, '.2f'):>9} "
             f"{_fmt(graph / r['spin_median_ms'] if graph and r.get('spin_median_ms') else None, '.2f'):>10}"
         )
+    lines += _board_lines(result.get("propose", []))
     compared = [r for r in result.get("propose", []) if r.get("tokens_compared")]
     differing = [r for r in compared if r["tokens_differ"]]
     if differing:
@@ -1377,6 +1432,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time with a lowest-priority spinner on every CPU, so that none halts while the device works "
         "(dspark_jax.CpuAwake; PyTorch included, the compile stage not)",
     )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="also time each path with this many ms of idle before each call (column idle; default 0: not timed): "
+        "the latency when the board's power cap does not hold its clock down",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1400,6 +1462,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
+    if not 0 <= args.idle_ms <= 1000:
+        raise ValueError(f"--idle-ms={args.idle_ms} is invalid: must be in [0, 1000] milliseconds")
     for name in ("cuts", "versus"):
         if getattr(args, name) and not {"split_greedy", "split"} & set(args.paths):
             raise ValueError(f"--{name} times the split paths: add split_greedy or split to --paths, or drop --{name}")
@@ -1421,6 +1485,7 @@ def run(args: argparse.Namespace) -> int:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax": jax.__version__,
             "awake_spinners": len(host_cpus()) if args.awake else 0,
+            "idle_ms": args.idle_ms,
         }
     }
 
@@ -1506,6 +1571,7 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         paths=args.paths,
         cuts=args.cuts,
         versus=args.versus,
+        idle_ms=args.idle_ms,
     )
     _save(args.out, result)
     if args.walk:

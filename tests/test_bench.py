@@ -2,6 +2,7 @@
 
 import argparse
 import copy
+import functools
 import json
 import os
 import types
@@ -12,6 +13,7 @@ import pytest
 
 from dspark_jax import bench
 from dspark_jax.cpu_awake import CpuAwake, host_cpus
+from dspark_jax.gpu_power import PowerSampler
 from dspark_jax.greedy_kernel import GREEDY_ENV
 from dspark_jax.mlp_kernel import MLP_ENV
 from dspark_jax.race_kernel import race_supported
@@ -32,7 +34,7 @@ def tiny_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "result.json"
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
     argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2"]
-    argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--profile", "--out", str(out)]
+    argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--profile", "--idle-ms", "0.5", "--out", str(out)]
     before = os.environ.get(bench.BACKBONE_GEMM_ENV)
     original_call = SplitRound.__call__
 
@@ -60,6 +62,9 @@ def tiny_result(tmp_path_factory):
         patch.setattr(SplitRound, "__call__", recording_call)
         patch.setattr(CpuAwake, "__enter__", recording_enter)
         patch.setattr(bench, "profile_kernels", recorded_profile)
+        # a board that answers as a power-capped GPU does (a CPU has no NVML to read)
+        board = (lambda: (690.0, 1620.0, 0x4), 700.0)
+        patch.setattr(bench, "PowerSampler", functools.partial(PowerSampler, reader=board, interval_s=0.001))
         assert bench.main(argv) == 0
         assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
         assert GREEDY_ENV not in os.environ and MLP_ENV not in os.environ  # --versus restores them
@@ -97,6 +102,11 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     for r in rows:
         assert r["median_ms"] > 0 and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["released_median_ms"] > 0 and r["pipelined_ms"] > 0 and r["spin_median_ms"] > 0
+        if r["path"] != "eager":  # --idle-ms 0.5: the interleaved paths timed after idle too
+            assert r["idle_median_ms"] > 0
+            board = r["board"]
+            assert board["samples"] >= 1 and board["power_capped_share"] == 1.0 and board["power_limit_w"] == 700.0
+            assert board["sm_clock_mhz_median"] == 1620.0 and board["thermal_share"] == 0.0
         if "@" in r["path"]:  # same inputs and key as the default cut: same tokens
             assert r["tokens_compared"] > 0 and r["tokens_differ"] == 0, r
         if r["path"].startswith(("folded", "split")):
@@ -277,6 +287,53 @@ def test_bad_batches_are_refused_before_anything_runs():
         bench.main(["--shapes", "tiny", "--batches", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "tiny", "--modes", "greedy,bogus"])
+
+
+def test_idle_timing_sleeps_before_each_call_and_reports_its_median(monkeypatch):
+    """``idle_s`` adds a loop of calls, each after that long a sleep; without it, none."""
+    calls, sleeps = [], []
+    monkeypatch.setattr(bench.time, "sleep", lambda s: sleeps.append(s))
+
+    def call():
+        calls.append(len(sleeps))  # the sleeps so far
+        return np.zeros(1)
+
+    plain = bench.time_call(call, iters=4, warmup=1)
+    assert "idle_median_ms" not in plain and sleeps == []
+    calls.clear()
+    got = bench.time_call(call, iters=4, warmup=1, idle_s=0.003)
+    assert got["idle_median_ms"] > 0 and sleeps == [0.003] * 4
+    assert calls[-4:] == [1, 2, 3, 4]  # each idle call right after its own sleep
+    assert len(calls) == 1 + 4 * 4 + 4  # warm-up, the four loops, then the idle loop
+    with pytest.raises(ValueError, match="idle_s=-0.001 is invalid"):
+        bench.time_calls({"a": call}, iters=2, idle_s=-0.001)
+
+
+def test_table_reports_idle_medians_and_the_board(tiny_result):
+    table = bench.format_table(tiny_result)
+    assert tiny_result["meta"]["idle_ms"] == 0.5 and "idle = median when the device idles" in table
+    row = next(r for r in tiny_result["propose"] if r["path"] == "split_greedy")
+    line = next(x for x in table.splitlines() if x.split()[:3] == ["1", "greedy", "split_greedy"])
+    assert f"{row['idle_median_ms']:.3f}" in line.split()
+    assert (
+        "board while batch 1 was timed: SM clock median 1620 MHz (p10 1620), power median 690 W of its 700 W "
+        f"limit, held at the power cap in 100% of {row['board']['samples']} samples"
+    ) in table
+    hot = copy.deepcopy(tiny_result)
+    for r in hot["propose"]:
+        if "board" in r:
+            r["board"].update(thermal_share=0.25, power_limit_w=None)
+    hot_table = bench.format_table(hot)
+    assert "power median 690 W, held at the power cap" in hot_table and ", thermal slowdown in 25%" in hot_table
+    for r in hot["propose"]:
+        r.pop("board", None)
+    assert "board while" not in bench.format_table(hot)
+
+
+def test_idle_ms_out_of_range_is_refused():
+    for value in ("-1", "2000"):
+        with pytest.raises(ValueError, match=f"--idle-ms={float(value)} is invalid: must be in \\[0, 1000\\]"):
+            bench.main(["--shapes", "tiny", "--batches", "1", "--idle-ms", value, "--no-torch", "--no-compile"])
 
 
 def test_time_calls_interleaves_rounds_and_merges_their_samples():

@@ -1,0 +1,82 @@
+"""The board sampler: statistics from readings, the thread's life, NVML's absence (no GPU needed)."""
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+
+from dspark_jax import PowerSampler, gpu_power
+
+
+def test_summary_matches_numpy_over_the_readings():
+    readings = [(690.0, 1620.0, 0x4), (700.0, 1500.0, 0x4 | 0x20), (300.0, 1980.0, 0x0), (650.0, 1755.0, 0x80)]
+    sampler = PowerSampler(reader=(lambda: readings[0], 700.0))
+    sampler.samples = list(readings)
+    got = sampler.summary()
+    power, clock = np.array([r[0] for r in readings]), np.array([r[1] for r in readings])
+    assert got == {
+        "samples": 4,
+        "sm_clock_mhz_median": float(np.median(clock)),
+        "sm_clock_mhz_p10": float(np.percentile(clock, 10)),
+        "power_w_median": float(np.median(power)),
+        "power_limit_w": 700.0,
+        "power_capped_share": 0.5,  # bit 0x4 in the first two
+        "thermal_share": 0.25,  # 0x20 in the second
+        "hw_slowdown_share": 0.25,  # 0x80 (power brake) in the fourth
+    }
+
+
+def test_sampler_polls_while_the_block_runs_and_stops_after():
+    count = [0]
+
+    def read():
+        count[0] += 1
+        return 500.0, 1800.0, 0
+
+    with PowerSampler(interval_s=0.002, reader=(read, None)) as sampler:
+        assert sampler.available
+        time.sleep(0.05)
+    taken = count[0]
+    assert taken >= 2 and len(sampler.samples) == taken
+    time.sleep(0.02)
+    assert count[0] == taken  # the thread has stopped
+    assert sampler.summary()["power_limit_w"] is None
+    with sampler:  # a sampler may be used again; each block starts afresh
+        pass
+    assert 1 <= len(sampler.samples) <= 2
+    with pytest.raises(RuntimeError, match="already sampling"), sampler:
+        sampler.__enter__()
+
+
+def test_without_nvml_the_sampler_records_nothing(monkeypatch):
+    monkeypatch.setattr(gpu_power, "nvml_reader", lambda device=None: None)
+    with PowerSampler() as sampler:
+        time.sleep(0.005)
+    assert not sampler.available and sampler.samples == [] and sampler.summary() is None
+
+
+def test_nvml_reader_is_none_without_the_driver_library(monkeypatch):
+    def missing(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert gpu_power.nvml_reader() is None
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, 0), ("", 0), ("3,1", 3), (" 2", 2), ("GPU-8f2e", "GPU-8f2e"), ("MIG-1a2b", 0)],
+)
+def test_nvml_device_follows_cuda_visible_devices(monkeypatch, visible, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_power.nvml_device_index() == expected
+
+
+@pytest.mark.parametrize("interval", [0, -0.01, True, "0.01", None])
+def test_bad_interval_is_refused(interval):
+    with pytest.raises(ValueError, match="interval_s=.* is invalid: must be a positive number of seconds"):
+        PowerSampler(interval_s=interval, reader=(lambda: (0.0, 0.0, 0), None))
