@@ -25,6 +25,10 @@ import numpy as np
 Reading = tuple[float, float, int]
 """One sample: board power (W), SM clock (MHz), clock-limit reason bits (NVML's ``clocksEventReasons``)."""
 
+Reader = tuple[Callable[[], Reading | None], float | None]
+"""``(read, power_limit_w)``: ``read()`` returns one :data:`Reading`, or None when a query failed;
+the board's enforced power limit in W, or None where the driver does not report it."""
+
 SW_POWER_CAP = 0x4
 """NVML's reason bit: the driver holds the clock down to keep the board under its power limit."""
 
@@ -47,8 +51,9 @@ def nvml_device_index() -> int | str:
     return first if first.startswith("GPU-") else 0
 
 
-def nvml_reader(device: int | str | None = None) -> tuple[Callable[[], Reading], float | None] | None:
-    """A function that reads one :data:`Reading` from NVML, and the board's enforced power limit (W).
+def nvml_reader(device: int | str | None = None) -> Reader | None:
+    """NVML's :data:`Reader` for one device: a function that reads one :data:`Reading` (None when
+    a query fails), and the board's enforced power limit (W).
 
     Args:
       device: NVML index or UUID (None: :func:`nvml_device_index`).
@@ -78,11 +83,15 @@ def nvml_reader(device: int | str | None = None) -> tuple[Callable[[], Reading],
     limit = ctypes.c_uint()
     limit_w = limit.value / 1e3 if nvml.nvmlDeviceGetEnforcedPowerLimit(handle, ctypes.byref(limit)) == 0 else None
 
-    def read() -> Reading:
+    def read() -> Reading | None:
         power, clock, bits = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-        nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(power))  # mW
-        nvml.nvmlDeviceGetClockInfo(handle, _NVML_CLOCK_SM, ctypes.byref(clock))  # MHz
-        reasons(handle, ctypes.byref(bits))
+        failed = (
+            nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(power)),  # mW
+            nvml.nvmlDeviceGetClockInfo(handle, _NVML_CLOCK_SM, ctypes.byref(clock)),  # MHz
+            reasons(handle, ctypes.byref(bits)),
+        )
+        if any(failed):  # NVML's return codes, 0 for success: a zeroed reading would skew the medians
+            return None
         return power.value / 1e3, float(clock.value), int(bits.value)
 
     return read, limit_w
@@ -101,14 +110,13 @@ class PowerSampler:
       interval_s: seconds between samples, > 0. The default, 20 ms, wakes the sampler's thread
         rarely (a reading took 4.3 µs on the H200 host, and the timed medians did not move with
         the sampler on: README note 84).
-      reader: ``(read, power_limit_w)`` as :func:`nvml_reader` returns it (None: NVML's, where
-        there is one). ``read()`` returns one :data:`Reading`.
+      reader: a :data:`Reader` (None: NVML's, where there is one); failed readings are left out.
 
     Raises:
       ValueError: ``interval_s`` is not a positive number.
     """
 
-    def __init__(self, *, interval_s: float = 0.02, reader: tuple[Callable[[], Reading], float | None] | None = None):
+    def __init__(self, *, interval_s: float = 0.02, reader: Reader | None = None):
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ValueError(f"interval_s={interval_s!r} is invalid: must be a positive number of seconds")
         self.interval_s = float(interval_s)
@@ -125,7 +133,9 @@ class PowerSampler:
     def _poll(self) -> None:
         read = self._reader[0]
         while True:
-            self.samples.append(read())
+            reading = read()
+            if reading is not None:
+                self.samples.append(reading)
             if self._stop.wait(self.interval_s):
                 return
 

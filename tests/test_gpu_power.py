@@ -49,6 +49,15 @@ def test_sampler_polls_while_the_block_runs_and_stops_after():
         sampler.__enter__()
 
 
+def test_failed_readings_are_left_out():
+    readings = iter([None, (600.0, 1700.0, 0x4), None] + [None] * 1000)
+
+    with PowerSampler(interval_s=0.001, reader=(lambda: next(readings), 700.0)) as sampler:
+        time.sleep(0.03)
+    assert sampler.samples == [(600.0, 1700.0, 0x4)]
+    assert sampler.summary()["samples"] == 1 and sampler.summary()["power_w_median"] == 600.0
+
+
 def test_without_nvml_the_sampler_records_nothing(monkeypatch):
     monkeypatch.setattr(gpu_power, "nvml_reader", lambda device=None: None)
     with PowerSampler() as sampler:
