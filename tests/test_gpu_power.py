@@ -1,6 +1,7 @@
 """The board sampler: statistics from readings, the thread's life, NVML's absence (no GPU needed)."""
 
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -27,33 +28,49 @@ def test_summary_matches_numpy_over_the_readings():
     }
 
 
-def test_sampler_polls_while_the_block_runs_and_stops_after():
-    count = [0]
+def _reader_of(readings, *, limit=None, wanted=None):
+    """A reader that returns ``readings`` in turn (then repeats the last) and sets the returned
+    event once ``wanted`` of them were read: the tests wait on it instead of on the clock."""
+    calls, enough = [], threading.Event()
 
     def read():
-        count[0] += 1
-        return 500.0, 1800.0, 0
+        calls.append(len(calls))
+        if wanted is not None and len(calls) >= wanted:
+            enough.set()
+        return readings[min(len(calls), len(readings)) - 1]
 
-    with PowerSampler(interval_s=0.002, reader=(read, None)) as sampler:
+    return (read, limit), calls, enough
+
+
+def test_sampler_polls_while_the_block_runs_and_stops_after():
+    reader, calls, enough = _reader_of([(500.0, 1800.0, 0)], wanted=3)
+    with PowerSampler(interval_s=0.001, reader=reader) as sampler:
         assert sampler.available
-        time.sleep(0.05)
-    taken = count[0]
-    assert taken >= 2 and len(sampler.samples) == taken
+        assert enough.wait(timeout=10)  # the thread polls while the block runs
+    taken = len(calls)
+    assert taken >= 3 and len(sampler.samples) == taken
     time.sleep(0.02)
-    assert count[0] == taken  # the thread has stopped
+    assert len(calls) == taken  # the thread has stopped
     assert sampler.summary()["power_limit_w"] is None
-    with sampler:  # a sampler may be used again; each block starts afresh
+
+
+def test_each_block_samples_afresh_and_blocks_do_not_nest():
+    reader, calls, _ = _reader_of([(500.0, 1800.0, 0), (400.0, 1700.0, 0)])
+    sampler = PowerSampler(interval_s=60.0, reader=reader)  # one reading on entry, then the exit wakes it
+    with sampler:
         pass
-    assert 1 <= len(sampler.samples) <= 2
+    assert sampler.samples == [(500.0, 1800.0, 0)]
+    with sampler:
+        pass
+    assert sampler.samples == [(400.0, 1700.0, 0)] and len(calls) == 2
     with pytest.raises(RuntimeError, match="already sampling"), sampler:
         sampler.__enter__()
 
 
 def test_failed_readings_are_left_out():
-    readings = iter([None, (600.0, 1700.0, 0x4), None] + [None] * 1000)
-
-    with PowerSampler(interval_s=0.001, reader=(lambda: next(readings), 700.0)) as sampler:
-        time.sleep(0.03)
+    reader, _, enough = _reader_of([None, (600.0, 1700.0, 0x4), None], limit=700.0, wanted=4)
+    with PowerSampler(interval_s=0.001, reader=reader) as sampler:
+        assert enough.wait(timeout=10)
     assert sampler.samples == [(600.0, 1700.0, 0x4)]
     assert sampler.summary()["samples"] == 1 and sampler.summary()["power_w_median"] == 600.0
 
