@@ -262,7 +262,13 @@ def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int, idle_s: flo
     """Raw wall times (ms) of ``fn()`` for :func:`time_call`: ``latency`` and ``dispatch`` per
     call waited for on its own, ``pipelined`` one total over ``iters`` calls dispatched back to
     back (``pipelined_calls`` of them), ``released`` and ``spin`` per call, and with ``idle_s``
-    > 0 ``idle`` per call waited for after ``idle_s`` seconds of sleep."""
+    > 0 ``idle`` per call waited for after ``idle_s`` seconds of sleep.
+
+    Raises:
+      ValueError: ``idle_s`` is negative (or NaN).
+    """
+    if not idle_s >= 0:
+        raise ValueError(f"idle_s={idle_s!r} is invalid: must be a number of seconds >= 0")
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times, dispatch = [], []
@@ -381,8 +387,6 @@ def time_calls(
     """
     if rounds < 1 or iters < 1:
         raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
-    if not idle_s >= 0:
-        raise ValueError(f"idle_s={idle_s!r} is invalid: must be a number of seconds >= 0")
     per_round = -(-iters // rounds)
     merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
     for r in range(rounds):

@@ -307,6 +307,8 @@ def test_idle_timing_sleeps_before_each_call_and_reports_its_median(monkeypatch)
     assert len(calls) == 1 + 4 * 4 + 4  # warm-up, the four loops, then the idle loop
     with pytest.raises(ValueError, match="idle_s=-0.001 is invalid"):
         bench.time_calls({"a": call}, iters=2, idle_s=-0.001)
+    with pytest.raises(ValueError, match="idle_s=nan is invalid"):
+        bench.time_call(call, iters=2, idle_s=float("nan"))
 
 
 def test_table_reports_idle_medians_and_the_board(tiny_result):
