@@ -6,6 +6,7 @@ rather than on the first GPU run. Not covered: Triton's own compilation to PTX a
 kernels' numbers (the interpreter tests and the H200 runs check those).
 """
 
+import contextlib
 import re
 
 import jax
@@ -29,10 +30,25 @@ TRITON = "__gpu$xla.gpu.triton"
 S = jax.ShapeDtypeStruct
 
 
+# The GPU the kernels are lowered for where none is attached: jax 0.10 falls back to compute
+# capability 9.0 by itself; jax 0.11 asks for an abstract device and raises without one.
+ABSTRACT_GPU = {"device_kind": "NVIDIA H200", "num_cores": 132, "platform": "cuda"}
+
+
+def abstract_gpu():
+    """A context in which Pallas's Triton lowering sees :data:`ABSTRACT_GPU` (nothing where a
+    GPU is attached: the lowering reads the real one)."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(**ABSTRACT_GPU)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpus",), abstract_device=device))
+
+
 def cuda_module(fn, *args) -> str:
     """``fn`` lowered for CUDA (Pallas kernels through Triton), as StableHLO text."""
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
-    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    with abstract_gpu():
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
 def triton_calls_for_cuda(fn, *args) -> int:
