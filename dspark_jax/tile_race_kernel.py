@@ -22,7 +22,9 @@ the block's score in the blocks' race (a sampling row: :func:`~dspark_jax.sampli
 of :func:`~dspark_jax.sampling.block_mass` of ``kept / T``). :func:`pick_raced_tiles`, one
 program per row, picks the token (the best block's token, or the race of the best block's
 ``W`` tokens, read back from the corrected logits) and gathers the next step's ``markov_w1``
-row. Two kernels per step; the bias never goes to memory.
+row. Two kernels per step; the bias never goes to memory. At some batches
+(:data:`TILE_RACE_PROGRAMS`) fewer, persistent programs each take every ``P``-th race block in
+one pipelined loop, so that a block's loads overlap the block before it's race (README note 86).
 
 Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
 the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest); the bias is a sum over
@@ -75,6 +77,10 @@ class TileRaceTuning:
       alternate: odd steps walk the race blocks in reverse program order, so that a step
         starts on the part of the table the step before it read last, which may still be in
         L2 (README note 70; the blocks' outputs keep their places).
+      programs: 0 for one program per race block; ``P > 0`` for ``min(P, NB)`` persistent
+        programs per row block, program ``p`` taking race blocks ``p, p + P, …`` in one
+        pipelined loop (README note 86). Batch 1 always runs one program per block (its one
+        row is finished alone, README note 77).
 
     The defaults, measured on the H200 with the 8B draft (README notes 66 and 67; the walk
     alone, µs per step, pipelined): at batch 32 one row block of 32 rows at 4 warps, sampling
@@ -92,9 +98,12 @@ class TileRaceTuning:
     stages: int = 3
     chunk: int = 64
     alternate: bool = True
+    programs: int = 0
 
     def __post_init__(self):
         check_tile_layout(self, ("max_rows", "chunk"), _WARP_COUNTS, flags=("alternate",))
+        if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"programs={self.programs!r} is invalid: must be an integer >= 0")
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""
@@ -102,7 +111,26 @@ class TileRaceTuning:
 
 
 TILE_RACE_TUNING = TileRaceTuning()
-"""The :class:`TileRaceTuning` :func:`race_tiles` uses unless given one."""
+"""The layout :func:`race_tiles` starts from unless given one (:func:`tile_race_tuning` sets its
+``programs`` by batch)."""
+
+TILE_RACE_PROGRAMS = ((1, 0), (8, 594), (16, 0), (32, 396))
+"""``(largest batch, programs)``: the persistent programs per row block :func:`tile_race_tuning`
+picks (0, one program per race block, beyond the last pair). Measured on the H200 (132 SMs)
+with the 8B draft, the walk alone, device µs per walk, two processes (README note 86;
+all-greedy rows / mixed / sampling), one program per race block first: batch 2 188.0 / 220.0 /
+213.8, 594 programs 160.8 / 203.8 / 200.9; batch 8 192.8 / 210.1 / 204.8 and 195.4 / 211.5 /
+205.6, 594 programs 171.7 / 198.9 / 192.8 and 168.9 / 197.4 / 186.2; batch 16 192.3 / 226.7 /
+219.1, 396 programs 188.1 / 227.0 / 219.9 (594: 221.9 / 263.9 / 249.4); batch 32 227.9 /
+278.3 / 260.2 and 228.3 / 277.4 / 260.6, 396 programs 217.0 / 271.7 / 251.7 and 218.9 / 274.3 /
+256.2; batch 64 331.0 / 348.5 / 364.5 and 331.5 / 350.5 / 368.7, 264 programs (per row block
+of 32) 299.8 / 349.4 / 350.7 and 309.0 / 358.8 / 364.0, not taken: mixed batches no faster."""
+
+
+def tile_race_tuning(batch: int) -> TileRaceTuning:
+    """:data:`TILE_RACE_TUNING` with the ``programs`` of :data:`TILE_RACE_PROGRAMS` for ``batch``."""
+    programs = next((n for last, n in TILE_RACE_PROGRAMS if batch <= last), 0)
+    return dataclasses.replace(TILE_RACE_TUNING, programs=programs)
 
 
 def tile_race_choice() -> str:
@@ -159,25 +187,16 @@ def _tile_kernel(
     """
     from jax.experimental.pallas import triton as plgpu
 
-    corrected_ref, score_ref, token_ref = refs[-3:]
-    vocab, rank = w2_ref.shape
-    width = race_width(vocab)
+    score_ref, token_ref = refs[-2:]
+    rank = w2_ref.shape[1]
     block = walk_tile(step_ref[0], alternate)
-    first_row, start = pl.program_id(0) * rows, block * width
-    cols = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)  # [W]
-    owned = cols < vocab
-    tail = vocab % width != 0
-
-    def body(c, acc):
-        at = pl.ds(c * chunk, chunk)
-        z = z_ref[pl.ds(first_row, rows), at]  # [rows, chunk]
-        if tail:
-            w = plgpu.load(w2_ref.at[pl.ds(start, width), at], mask=owned[:, None], other=0)
-        else:
-            w = w2_ref[pl.ds(start, width), at]  # [W, chunk]
-        return acc + jax.lax.dot_general(z, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    acc = jax.lax.fori_loop(0, rank // chunk, body, jnp.zeros((rows, width), jnp.float32))
+    first_row = pl.program_id(0) * rows
+    acc = jax.lax.fori_loop(
+        0,
+        rank // chunk,
+        lambda c, acc: acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk),
+        jnp.zeros((rows, race_width(w2_ref.shape[0])), jnp.float32),
+    )
     if batch == 1 < rows:  # one real row: finish it alone, not its tensor-core tile's padding too
         row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         acc = jnp.where(row == 0, acc, -jnp.inf).max(axis=0, keepdims=True)  # [1, W], row 0's sums exactly
@@ -185,6 +204,98 @@ def _tile_kernel(
         plgpu.store(score_ref.at[column], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
         plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
         rows = 1
+    _finish_block(
+        acc,
+        block,
+        first_row,
+        rows,
+        step_ref,
+        w2_ref,
+        t_ref,
+        greedy_ref,
+        words_ref,
+        base_ref,
+        *refs,
+        batch=batch,
+        interpret=interpret,
+    )
+
+
+def _persistent_kernel(
+    step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, alternate, interpret
+):
+    """Program ``(i, p)`` of ``P`` along the vocabulary: rows ``i·rows …`` against race blocks
+    ``p, p + P, …`` (each through :func:`~dspark_jax.greedy_kernel.walk_tile`'s order), in one
+    loop over ``(block, rank chunk)`` pairs whose last chunk of a block finishes that block under
+    a ``cond``: the pipeliner keeps the next block's table loads in flight while a block's
+    corrected logits and race are formed (README note 86). Refs as :func:`_tile_kernel`'s."""
+    vocab, rank = w2_ref.shape
+    width, blocks, per = race_width(vocab), pl.num_programs(1), rank // chunk
+    total = -(-vocab // width)  # NB
+    p, step = pl.program_id(1), step_ref[0]
+    first_row = pl.program_id(0) * rows
+    mine = jax.lax.div(total - 1 - p, blocks) + 1  # blocks p, p + P, … below NB
+
+    def body(i, acc):
+        n, c = jax.lax.div(i, per), jax.lax.rem(i, per)
+        j = p + n * blocks
+        block = jnp.where(jax.lax.rem(step, 2) == 1, total - 1 - j, j) if alternate else j
+        acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
+
+        def finish():
+            _finish_block(
+                acc,
+                block,
+                first_row,
+                rows,
+                step_ref,
+                w2_ref,
+                t_ref,
+                greedy_ref,
+                words_ref,
+                base_ref,
+                *refs,
+                batch=batch,
+                interpret=interpret,
+            )
+            return jnp.zeros_like(acc)
+
+        return jax.lax.cond(c == per - 1, finish, lambda: acc)
+
+    jax.lax.fori_loop(0, mine * per, body, jnp.zeros((rows, width), jnp.float32))
+
+
+def _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk):
+    """``[rows, W]`` float32: rank chunk ``c`` of the rows' latents times race block ``block`` of
+    the table (table rows past ``V`` read as zeros)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    vocab = w2_ref.shape[0]
+    width = race_width(vocab)
+    start, at = block * width, pl.ds(c * chunk, chunk)
+    z = z_ref[pl.ds(first_row, rows), at]  # [rows, chunk]
+    if vocab % width:
+        owned = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0) < vocab
+        w = plgpu.load(w2_ref.at[pl.ds(start, width), at], mask=owned[:, None], other=0)
+    else:
+        w = w2_ref[pl.ds(start, width), at]  # [W, chunk]
+    return jax.lax.dot_general(z, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _finish_block(
+    acc, block, first_row, rows, step_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, interpret
+):
+    """Race block ``block`` of rows ``first_row …`` (``rows`` of them) from their bias sums
+    ``acc [rows, W]``: the corrected logits into slot ``step``, each row's ``(score, token)``
+    into the block's column."""
+    from jax.experimental.pallas import triton as plgpu
+
+    corrected_ref, score_ref, token_ref = refs[-3:]
+    vocab = w2_ref.shape[0]
+    width = race_width(vocab)
+    start = block * width
+    cols = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)  # [W]
+    owned = cols < vocab
     bias = acc.astype(w2_ref.dtype).astype(jnp.float32)  # rounded as XLA's GEMM output is
     here = pl.ds(first_row, rows)
     real = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < batch  # [rows]
@@ -287,7 +398,7 @@ def race_tiles(
       step: ``k`` (int32 scalar, may be traced).
       batch: ``B``.
       interpret: run through the Pallas interpreter (any backend).
-      tuning: the layout (None: :data:`TILE_RACE_TUNING`).
+      tuning: the layout (None: :func:`tile_race_tuning` of ``batch``).
 
     Returns:
       ``(score [BR, NB] float32, token [BR, NB] int32, corrected [B, γ, V])``: per row and
@@ -297,7 +408,7 @@ def race_tiles(
     Raises:
       ValueError: shapes or dtypes that do not fit together, or no kernel for them.
     """
-    tuning = TILE_RACE_TUNING if tuning is None else tuning
+    tuning = tile_race_tuning(batch) if tuning is None else tuning
     if not isinstance(tuning, TileRaceTuning):
         raise TypeError(f"tuning={tuning!r} is invalid: must be a TileRaceTuning or None")
     total, rank = z.shape
@@ -324,8 +435,9 @@ def race_tiles(
         )
     rows = min(total, tuning.max_rows)
     blocks = -(-vocab // race_width(vocab))
+    programs = min(tuning.programs, blocks) if batch > 1 else 0
     kernel = functools.partial(
-        _tile_kernel,
+        _persistent_kernel if programs else _tile_kernel,
         batch=batch,
         rows=rows,
         chunk=min(tuning.chunk, rank),
@@ -340,7 +452,8 @@ def race_tiles(
         aliases = {len(args) - 1: 0}
     corrected, score, token = pl.pallas_call(
         kernel,
-        grid=(total // rows, blocks),  # the row blocks of one vocabulary block run next to each other (L2)
+        # the row blocks of one vocabulary block run next to each other (L2)
+        grid=(total // rows, programs or blocks),
         in_specs=[_whole(x.shape) for x in args],
         out_specs=[_whole(base.shape), _whole((total, blocks)), _whole((total, blocks))],
         out_shape=[

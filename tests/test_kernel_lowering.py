@@ -142,9 +142,12 @@ def test_greedy_walk_lowers_for_cuda(head_type, batch):
     assert (len(outside) == 0) == (head_type == "vanilla")  # the RNN head's own projection stays in XLA
 
 
-# batch 1 finishes its one real row alone (README note 77)
-@pytest.mark.parametrize("head_type, batch, max_rows", [("vanilla", 1, 32), ("vanilla", 3, 64), ("gated", 40, 16)])
-def test_tiled_race_walk_lowers_for_cuda(head_type, batch, max_rows):
+# batch 1 finishes its one real row alone (README note 77); persistent programs (note 86)
+@pytest.mark.parametrize(
+    "head_type, batch, max_rows, programs",
+    [("vanilla", 1, 32, 0), ("vanilla", 3, 64, 0), ("gated", 40, 16, 0), ("vanilla", 3, 64, 3), ("gated", 40, 16, 2)],
+)
+def test_tiled_race_walk_lowers_for_cuda(head_type, batch, max_rows, programs):
     """Two kernels per step (tiles, then the pick) and, for a vanilla head, no GEMM left to XLA:
     the ``[B, V]`` bias is never formed outside the kernels; several row blocks per race block too."""
     from flax import nnx
@@ -157,7 +160,7 @@ def test_tiled_race_walk_lowers_for_cuda(head_type, batch, max_rows):
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
     head = nnx.merge(*bench.build_draft(cfg)).markov_head
     g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
-    tuning = TileRaceTuning(max_rows=max_rows)
+    tuning = TileRaceTuning(max_rows=max_rows, programs=programs)
 
     def fn(base, hidden, bonus, temps, greedy):
         keys = row_keys(jax.random.key(0), batch)

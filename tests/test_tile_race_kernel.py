@@ -23,6 +23,7 @@ from dspark_jax.tile_race_kernel import (
     race_tiles,
     tile_race_choice,
     tile_race_supported,
+    tile_race_tuning,
     tiled_race_walk,
     use_tile_race_kernel,
 )
@@ -39,9 +40,13 @@ def _rows(batch, seed):
     return S.clamp_temperatures(jnp.asarray(temps)), jnp.arange(batch) % 3 == 1
 
 
-# one block of 64 tokens (V < W); the last block short, B padded to 32; four row blocks of 16
-@pytest.mark.parametrize("batch, vocab, max_rows", [(1, 64, 64), (20, 300, 64), (40, 130, 16)])
-def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch, vocab, max_rows):
+# one block of 64 tokens (V < W); the last block short, B padded to 32; three row blocks of 16;
+# persistent programs: two over three blocks (the short one included), one over both blocks
+@pytest.mark.parametrize(
+    "batch, vocab, max_rows, programs",
+    [(1, 64, 64, 0), (20, 300, 64, 0), (40, 130, 16, 0), (20, 300, 64, 2), (40, 130, 16, 1), (1, 64, 64, 4)],
+)
+def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch, vocab, max_rows, programs):
     rank, gamma = 32, 2
     z, w1, w2, base = _exact_inputs(batch, gamma, vocab, rank, seed=vocab + batch)
     base = jnp.where(jnp.isnan(base), base, base * 0.25)  # keep the race away from certainty
@@ -49,7 +54,7 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
     temps, greedy = _rows(batch, seed=batch)
     keys = S.row_keys(jax.random.key(vocab), batch)
     t, g, words = padded_walk_inputs(temps, greedy, keys, gamma)
-    tuning = TileRaceTuning(max_rows=max_rows, chunk=16)
+    tuning = TileRaceTuning(max_rows=max_rows, chunk=16, programs=programs)
     bias = (np.asarray(z, np.float64) @ np.asarray(w2, np.float64).T).astype(jnp.bfloat16)  # exact, then rounded
     corrected = None
     for step in range(gamma):
@@ -194,6 +199,12 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
             TileRaceTuning(**{field: value})
     with pytest.raises(TypeError, match="alternate=1"):
         TileRaceTuning(alternate=1)
+    for value in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=f"programs={value!r} is invalid: must be an integer >= 0"):
+            TileRaceTuning(programs=value)
+    # the persistent programs by batch: none at batch 1, the table's beyond its last batch
+    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [0, 594, 594, 0, 396, 0, 0]
+    assert dataclasses.replace(tile_race_tuning(32), programs=0) == TileRaceTuning()
     assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
     assert TileRaceTuning(warps=2).warps_for(128) == 2
 
