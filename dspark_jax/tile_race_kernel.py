@@ -119,9 +119,11 @@ TILE_RACE_PROGRAMS = ((1, 0), (8, 594), (16, 0), (32, 396))
 picks (0, one program per race block, beyond the last pair). Measured on the H200 (132 SMs)
 with the 8B draft, the walk alone, device µs per walk, two processes (README note 86;
 all-greedy rows / mixed / sampling), one program per race block first: batch 2 188.0 / 220.0 /
-213.8, 594 programs 160.8 / 203.8 / 200.9; batch 8 192.8 / 210.1 / 204.8 and 195.4 / 211.5 /
+213.8, 594 programs 160.8 / 203.8 / 200.9; batch 4 190.6 / 224.2 / 215.8, 594 programs 163.6 /
+207.8 / 201.9; batch 8 192.8 / 210.1 / 204.8 and 195.4 / 211.5 /
 205.6, 594 programs 168.9 / 197.4 / 186.2 (171.7 / 198.9 / 192.8 at 2 stages); batch 16 192.3 / 226.7 /
-219.1, 396 programs 188.1 / 227.0 / 219.9 (594: 221.9 / 263.9 / 249.4); batch 32 227.9 /
+219.1 and 193.2 / 226.8 / 218.8, 396 programs 188.1 / 227.0 / 219.9 and 184.9 / 234.8 / 228.6
+(594: 221.9 / 263.9 / 249.4 and 221.4 / 262.7 / 248.3), not taken; batch 32 227.9 /
 278.3 / 260.2 and 228.3 / 277.4 / 260.6, 396 programs 217.0 / 271.7 / 251.7 and 218.9 / 274.3 /
 256.2; batch 64 331.0 / 348.5 / 364.5 and 331.5 / 350.5 / 368.7, 264 programs (per row block
 of 32) 299.8 / 349.4 / 350.7 and 309.0 / 358.8 / 364.0, not taken: mixed batches no faster."""
