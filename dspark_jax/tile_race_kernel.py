@@ -232,16 +232,17 @@ def _persistent_kernel(
     a ``cond``: the pipeliner keeps the next block's table loads in flight while a block's
     corrected logits and race are formed (README note 86). Refs as :func:`_tile_kernel`'s."""
     vocab, rank = w2_ref.shape
-    width, blocks, per = race_width(vocab), pl.num_programs(1), rank // chunk
-    total = -(-vocab // width)  # NB
+    width, per = race_width(vocab), rank // chunk
+    blocks, count = -(-vocab // width), pl.num_programs(1)  # NB, P
     p, step = pl.program_id(1), step_ref[0]
     first_row = pl.program_id(0) * rows
-    mine = jax.lax.div(total - 1 - p, blocks) + 1  # blocks p, p + P, … below NB
+    mine = jax.lax.div(blocks - 1 - p, count) + 1  # blocks p, p + P, … below NB
 
-    def body(i, acc):
+    def body(i, acc):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
         n, c = jax.lax.div(i, per), jax.lax.rem(i, per)
-        j = p + n * blocks
-        block = jnp.where(jax.lax.rem(step, 2) == 1, total - 1 - j, j) if alternate else j
+        j = p + n * count
+        # walk_tile's order over the NB blocks (reversed on odd steps)
+        block = jnp.where(jax.lax.rem(step, 2) == 1, blocks - 1 - j, j) if alternate else j
         acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
 
         def finish():
