@@ -171,9 +171,7 @@ def use_tile_race_kernel(rank: int, dtype: jnp.dtype, vocab: int, batch: int) ->
     return kernel_mode(TILE_RACE_ENV, tile_race_supported(rank, dtype, vocab) and wanted)
 
 
-def _tile_kernel(
-    step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, alternate, interpret
-):
+def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
     """Program ``(i, j)``: rows ``i·rows …`` against race block
     :func:`~dspark_jax.greedy_kernel.walk_tile`.
 
@@ -189,6 +187,7 @@ def _tile_kernel(
     """
     from jax.experimental.pallas import triton as plgpu
 
+    step_ref, z_ref, w2_ref = refs[:3]
     score_ref, token_ref = refs[-2:]
     rank = w2_ref.shape[1]
     block = walk_tile(step_ref[0], alternate)
@@ -206,31 +205,16 @@ def _tile_kernel(
         plgpu.store(score_ref.at[column], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
         plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
         rows = 1
-    _finish_block(
-        acc,
-        block,
-        first_row,
-        rows,
-        step_ref,
-        w2_ref,
-        t_ref,
-        greedy_ref,
-        words_ref,
-        base_ref,
-        *refs,
-        batch=batch,
-        interpret=interpret,
-    )
+    _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
 
 
-def _persistent_kernel(
-    step_ref, z_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, rows, chunk, alternate, interpret
-):
+def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     """Program ``(i, p)`` of ``P`` along the vocabulary: rows ``i·rows …`` against race blocks
     ``p, p + P, …`` (each through :func:`~dspark_jax.greedy_kernel.walk_tile`'s order), in one
     loop over ``(block, rank chunk)`` pairs whose last chunk of a block finishes that block under
     a ``cond``: the pipeliner keeps the next block's table loads in flight while a block's
     corrected logits and race are formed (README note 86). Refs as :func:`_tile_kernel`'s."""
+    step_ref, z_ref, w2_ref = refs[:3]
     vocab, rank = w2_ref.shape
     width, per = race_width(vocab), rank // chunk
     blocks, count = -(-vocab // width), pl.num_programs(1)  # NB, P
@@ -246,21 +230,7 @@ def _persistent_kernel(
         acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
 
         def finish():
-            _finish_block(
-                acc,
-                block,
-                first_row,
-                rows,
-                step_ref,
-                w2_ref,
-                t_ref,
-                greedy_ref,
-                words_ref,
-                base_ref,
-                *refs,
-                batch=batch,
-                interpret=interpret,
-            )
+            _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
             return jnp.zeros_like(acc)
 
         return jax.lax.cond(c == per - 1, finish, lambda: acc)
@@ -285,14 +255,13 @@ def _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk):
     return jax.lax.dot_general(z, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _finish_block(
-    acc, block, first_row, rows, step_ref, w2_ref, t_ref, greedy_ref, words_ref, base_ref, *refs, batch, interpret
-):
+def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
     """Race block ``block`` of rows ``first_row …`` (``rows`` of them) from their bias sums
     ``acc [rows, W]``: the corrected logits into slot ``step``, each row's ``(score, token)``
-    into the block's column."""
+    into the block's column. ``refs``: all of the kernel's, as :func:`_tile_kernel` lists them."""
     from jax.experimental.pallas import triton as plgpu
 
+    step_ref, _, w2_ref, t_ref, greedy_ref, words_ref, base_ref = refs[:7]
     corrected_ref, score_ref, token_ref = refs[-3:]
     vocab = w2_ref.shape[0]
     width = race_width(vocab)
