@@ -127,13 +127,16 @@ def padded_rows(batch: int) -> int:
     return max(16, pow2_ceil(batch))
 
 
-def walk_tile(step: jax.Array, alternate: bool) -> jax.Array:
+def walk_tile(step: jax.Array, alternate: bool, j: jax.Array | None = None, count: int | None = None) -> jax.Array:
     """The vocabulary tile (or race block) that a walk kernel's program ``(i, j)`` reads at step
     ``step`` (a scalar read inside the kernel): ``j``, or ``NT − 1 − j`` on odd steps when
     ``alternate``, so that a step starts on the tiles the step before it read last, some of
-    which are still in L2 (README note 70)."""
-    j = pl.program_id(1)
-    return jnp.where(step % 2 == 1, pl.num_programs(1) - 1 - j, j) if alternate else j
+    which are still in L2 (README note 70). ``j`` and ``NT`` (``count``) default to the
+    program's index and count along the grid's second axis; a persistent program passes the
+    ``j``-th of ``count`` tiles it is at."""
+    j = pl.program_id(1) if j is None else j
+    count = pl.num_programs(1) if count is None else count
+    return jnp.where(step % 2 == 1, count - 1 - j, j) if alternate else j
 
 
 def _tile_kernel(step_ref, z_ref, w2_ref, base_ref, top_ref, idx_ref, *, batch, rows, tile, chunk, alternate):

@@ -224,9 +224,7 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
 
     def body(i, acc):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
         n, c = jax.lax.div(i, per), jax.lax.rem(i, per)
-        j = p + n * count
-        # walk_tile's order over the NB blocks (reversed on odd steps)
-        block = jnp.where(jax.lax.rem(step, 2) == 1, blocks - 1 - j, j) if alternate else j
+        block = walk_tile(step, alternate, p + n * count, blocks)
         acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
 
         def finish():
