@@ -18,13 +18,15 @@ multiplies row block ``i``'s latents by block ``j`` of the table (``NB − 1 −
 :func:`~dspark_jax.greedy_kernel.walk_tile`) on the tensor cores, adds the
 base logits, writes the kept sums into slot ``k`` (the buffer is aliased from step to step),
 and writes, per row, the block's best float32 logit and lowest id holding it (a greedy row) or
-the block's score in the blocks' race (a sampling row: :func:`~dspark_jax.sampling.block_scores`
-of :func:`~dspark_jax.sampling.block_mass` of ``kept / T``). :func:`pick_raced_tiles`, one
-program per row, picks the token (the best block's token, or the race of the best block's
-``W`` tokens, read back from the corrected logits) and gathers the next step's ``markov_w1``
-row. Two kernels per step; the bias never goes to memory. At some batches
-(:data:`TILE_RACE_PROGRAMS`) fewer, persistent programs each take every ``P``-th race block in
-one pipelined loop, so that a block's loads overlap the block before it's race (README note 86).
+the block's score in the blocks' race and the block's index (a sampling row:
+:func:`~dspark_jax.sampling.block_scores` of :func:`~dspark_jax.sampling.block_mass` of
+``kept / T``). :func:`pick_raced_tiles`, one program per row, picks the token (the best block's
+token, or the race of the best block's ``W`` tokens, read back from the corrected logits) and
+gathers the next step's ``markov_w1`` row. Two kernels per step; the bias never goes to memory.
+At most batches (:data:`TILE_RACE_PROGRAMS`) fewer, persistent programs each take every
+``P``-th race block in one pipelined loop, so that a block's loads overlap the block before
+it's race (README note 86), and keep each row's best ``(score, token or block)`` over their
+blocks, so that they write one column each, not one per block (README note 87).
 
 Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
 the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest); the bias is a sum over
@@ -79,8 +81,8 @@ class TileRaceTuning:
         L2 (README note 70; the blocks' outputs keep their places).
       programs: 0 for one program per race block; ``P > 0`` for ``min(P, NB)`` persistent
         programs per row block, program ``p`` taking race blocks ``p, p + P, …`` in one
-        pipelined loop (README note 86). Batch 1 always runs one program per block (its one
-        row is finished alone, README note 77).
+        pipelined loop and writing its rows' best over them (README notes 86 and 87). Batch 1
+        always runs one program per block (its one row is finished alone, README note 77).
 
     The defaults, measured on the H200 with the 8B draft (README notes 66 and 67; the walk
     alone, µs per step, pipelined): at batch 32 one row block of 32 rows at 4 warps, sampling
@@ -114,19 +116,20 @@ TILE_RACE_TUNING = TileRaceTuning()
 """The layout :func:`race_tiles` starts from unless given one (:func:`tile_race_tuning` sets its
 ``programs`` by batch)."""
 
-TILE_RACE_PROGRAMS = ((1, 0), (8, 594), (16, 0), (32, 396))
+TILE_RACE_PROGRAMS = ((1, 0), (16, 594), (32, 396), (64, 264))
 """``(largest batch, programs)``: the persistent programs per row block :func:`tile_race_tuning`
 picks (0, one program per race block, beyond the last pair). Measured on the H200 (132 SMs)
-with the 8B draft, the walk alone, device µs per walk, two processes (README note 86;
-all-greedy rows / mixed / sampling), one program per race block first: batch 2 188.0 / 220.0 /
-213.8, 594 programs 160.8 / 203.8 / 200.9; batch 4 190.6 / 224.2 / 215.8, 594 programs 163.6 /
-207.8 / 201.9; batch 8 192.8 / 210.1 / 204.8 and 195.4 / 211.5 /
-205.6, 594 programs 168.9 / 197.4 / 186.2 (171.7 / 198.9 / 192.8 at 2 stages); batch 16 192.3 / 226.7 /
-219.1 and 193.2 / 226.8 / 218.8, 396 programs 188.1 / 227.0 / 219.9 and 184.9 / 234.8 / 228.6
-(594: 221.9 / 263.9 / 249.4 and 221.4 / 262.7 / 248.3), not taken; batch 32 227.9 /
-278.3 / 260.2 and 228.3 / 277.4 / 260.6, 396 programs 217.0 / 271.7 / 251.7 and 218.9 / 274.3 /
-256.2; batch 64 331.0 / 348.5 / 364.5 and 331.5 / 350.5 / 368.7, 264 programs (per row block
-of 32) 299.8 / 349.4 / 350.7 and 309.0 / 358.8 / 364.0, not taken: mixed batches no faster."""
+with the 8B draft, the walk alone, device µs per walk (all-greedy rows / mixed / sampling),
+one program per race block first. Note 86 (each block's outputs stored): batch 2 188.0 / 220.0
+/ 213.8, 594 programs 160.8 / 203.8 / 200.9; batch 4 190.6 / 224.2 / 215.8, 594 programs 163.6
+/ 207.8 / 201.9; batch 8 195.4 / 211.5 / 205.6, 594 programs 168.9 / 197.4 / 186.2; batch 32
+228.3 / 277.4 / 260.6, 396 programs 218.9 / 274.3 / 256.2 (264, 528, 792 and 132 no faster).
+Note 87 (each program's best over its blocks stored): batch 32 218.9 / 275.9 / 257.5, 396
+programs 208.5 / 269.8 / 254.1 (264: 239.8 / 328.7 / 310.0; 528: 219.5 / 277.2 / 259.2); batch
+16 197.9 / 225.1 / 220.4, 594 programs 180.2 / 218.3 / 206.3 (396: 191.3 / 228.3 / 223.1); batch
+64 332.9 / 350.7 / 371.1, 264 programs 285.9 / 351.2 / 356.8 (396: 321.9 / 399.9 / 391.0); batch
+8 170.2 / 195.0 / 184.7 with 594 programs storing each block, 168.7 / 194.8 / 185.4 storing
+each program's best."""
 
 
 def tile_race_tuning(batch: int) -> TileRaceTuning:
@@ -179,7 +182,8 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
     ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``t`` float32 ``[BR]``, ``greedy`` int32 ``[BR]``,
     ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
     ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
-    and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column).
+    and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column; a sampling
+    row's token is the block's index).
 
     With one real row (``batch`` 1) the program takes that row out of the tensor cores' 16-row
     tile and finishes it alone (the padding rows get score ``-inf`` and token 0), so the
@@ -205,7 +209,10 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
         plgpu.store(score_ref.at[column], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
         plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
         rows = 1
-    _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
+    score, key = _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
+    here = (pl.ds(first_row, rows), pl.ds(block, 1))
+    score_ref[here] = score[:, None]
+    token_ref[here] = key[:, None]
 
 
 def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
@@ -213,8 +220,12 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     ``p, p + P, …`` (each through :func:`~dspark_jax.greedy_kernel.walk_tile`'s order), in one
     loop over ``(block, rank chunk)`` pairs whose last chunk of a block finishes that block under
     a ``cond``: the pipeliner keeps the next block's table loads in flight while a block's
-    corrected logits and race are formed (README note 86). Refs as :func:`_tile_kernel`'s."""
+    corrected logits and race are formed (README note 86). Each row's best ``(score, key)`` over
+    the program's blocks (the higher score, on a tie the lower key: what :func:`_pick_kernel`
+    takes over all blocks) is carried through the loop and written once, into column ``p`` of
+    ``score`` and ``token`` ``[BR, P]`` (README note 87). Refs as :func:`_tile_kernel`'s."""
     step_ref, z_ref, w2_ref = refs[:3]
+    score_ref, token_ref = refs[-2:]
     vocab, rank = w2_ref.shape
     width, per = race_width(vocab), rank // chunk
     blocks, count = -(-vocab // width), pl.num_programs(1)  # NB, P
@@ -222,18 +233,24 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     first_row = pl.program_id(0) * rows
     mine = jax.lax.div(blocks - 1 - p, count) + 1  # blocks p, p + P, … below NB
 
-    def body(i, acc):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
+    def body(i, carry):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
+        acc, held = carry
         n, c = jax.lax.div(i, per), jax.lax.rem(i, per)
         block = walk_tile(step, alternate, p + n * count, blocks)
         acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
 
         def finish():
-            _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
-            return jnp.zeros_like(acc)
+            score, key = _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
+            better = (score > held[0]) | ((score == held[0]) & (key < held[1]))  # [rows]
+            return jnp.zeros_like(acc), (jnp.where(better, score, held[0]), jnp.where(better, key, held[1]))
 
-        return jax.lax.cond(c == per - 1, finish, lambda: acc)
+        return jax.lax.cond(c == per - 1, finish, lambda: (acc, held))
 
-    jax.lax.fori_loop(0, mine * per, body, jnp.zeros((rows, width), jnp.float32))
+    none = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.full((rows,), NO_ID, jnp.int32))
+    _, (score, key) = jax.lax.fori_loop(0, mine * per, body, (jnp.zeros((rows, width), jnp.float32), none))
+    here = (pl.ds(first_row, rows), pl.ds(p, 1))
+    score_ref[here] = score[:, None]
+    token_ref[here] = key[:, None]
 
 
 def _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk):
@@ -255,12 +272,14 @@ def _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk):
 
 def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
     """Race block ``block`` of rows ``first_row …`` (``rows`` of them) from their bias sums
-    ``acc [rows, W]``: the corrected logits into slot ``step``, each row's ``(score, token)``
-    into the block's column. ``refs``: all of the kernel's, as :func:`_tile_kernel` lists them."""
+    ``acc [rows, W]``: the corrected logits into slot ``step``; returns each row's
+    ``(score, key)`` float32 and int32 ``[rows]`` (a greedy row: the block's best float32 logit
+    and the lowest id holding it; a sampling row: the block's race score and ``block``).
+    ``refs``: all of the kernel's, as :func:`_tile_kernel` lists them."""
     from jax.experimental.pallas import triton as plgpu
 
     step_ref, _, w2_ref, t_ref, greedy_ref, words_ref, base_ref = refs[:7]
-    corrected_ref, score_ref, token_ref = refs[-3:]
+    corrected_ref = refs[-3]
     vocab = w2_ref.shape[0]
     width = race_width(vocab)
     start = block * width
@@ -297,14 +316,14 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
     none = jnp.full((rows,), -jnp.inf, jnp.float32)
     top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, jnp.zeros((rows,), jnp.int32) + block))
     score = jax.lax.cond(some(~greedy), sampled_part, lambda: none + 0)
-    score_ref[here, pl.ds(block, 1)] = jnp.where(greedy, top, score)[:, None]
-    token_ref[here, pl.ds(block, 1)] = jnp.where(greedy, best, 0)[:, None]
+    return jnp.where(greedy, top, score), jnp.where(greedy, best, block)
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
-    """Program ``b``: row ``b``'s token from its blocks' ``(score, token)`` (the best block's
-    token for a greedy row; the race of the best block's tokens, read back from the corrected
-    logits, for a sampling row), and row ``token`` of ``markov_w1`` (zeros for a padding row)."""
+    """Program ``b``: row ``b``'s token from the ``(score, key)`` columns of its blocks or of the
+    persistent programs' bests (the best column's lowest key: a greedy row's token; a sampling
+    row's block, whose tokens race, read back from the corrected logits), and row ``token`` of
+    ``markov_w1`` (zeros for a padding row)."""
     from jax.experimental.pallas import triton as plgpu
 
     out_ref, e_ref = refs
@@ -315,14 +334,11 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, c
     column = jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
     real = column < score_ref.shape[1]
     scores = plgpu.load(score_ref.at[b, pl.ds(0, span)], mask=real, other=-jnp.inf)
-    best = scores.max()
-    top = real & (scores == best)
-
-    def greedy():  # each block's best float32 logit and lowest id holding it
-        return jnp.where(top, plgpu.load(token_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID), NO_ID).min()
+    top = real & (scores == scores.max())
+    key = jnp.where(top, plgpu.load(token_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID), NO_ID).min()
 
     def sampled():
-        first = jnp.where(top, column, NO_ID).min() * width
+        first = key * width
         ids = first + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
         inside = ids < vocab
         rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
@@ -332,7 +348,7 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, c
         raced = jnp.where(inside & ~jnp.isnan(raced), raced, -jnp.inf)
         return jnp.where(raced == raced.max(), ids, NO_ID).min()
 
-    token = jax.lax.cond(greedy_ref[b] != 0, greedy, sampled)
+    token = jax.lax.cond(greedy_ref[b] != 0, lambda: key, sampled)
     out_ref[...] = jnp.full((1, 1), token, jnp.int32)
     row = w1_ref[jnp.minimum(token, vocab - 1), :]  # [r]
     e_ref[...] = jnp.where(b < batch, row, jnp.zeros_like(row))[None, :]
@@ -371,9 +387,11 @@ def race_tiles(
       tuning: the layout (None: :func:`tile_race_tuning` of ``batch``).
 
     Returns:
-      ``(score [BR, NB] float32, token [BR, NB] int32, corrected [B, γ, V])``: per row and
-      race block, a greedy row's largest float32 ``base + bias`` and the lowest id holding
-      it; a sampling row's block score (``token`` 0).
+      ``(score [BR, C] float32, token [BR, C] int32, corrected [B, γ, V])``: per row and
+      column, a greedy row's largest float32 ``base + bias`` and the lowest id holding it, a
+      sampling row's block score and the block's index; a column is a race block (``C = NB``),
+      or with persistent programs (``tuning.programs``, batch > 1) a program's best over its
+      blocks (``C = min(programs, NB)``: the higher score, on a tie the lower token or block).
 
     Raises:
       ValueError: shapes or dtypes that do not fit together, or no kernel for them.
@@ -406,6 +424,7 @@ def race_tiles(
     rows = min(total, tuning.max_rows)
     blocks = -(-vocab // race_width(vocab))
     programs = min(tuning.programs, blocks) if batch > 1 else 0
+    columns = programs or blocks  # C: one (score, key) column per program
     kernel = functools.partial(
         _persistent_kernel if programs else _tile_kernel,
         batch=batch,
@@ -423,13 +442,13 @@ def race_tiles(
     corrected, score, token = pl.pallas_call(
         kernel,
         # the row blocks of one vocabulary block run next to each other (L2)
-        grid=(total // rows, programs or blocks),
+        grid=(total // rows, columns),
         in_specs=[_whole(x.shape) for x in args],
-        out_specs=[_whole(base.shape), _whole((total, blocks)), _whole((total, blocks))],
+        out_specs=[_whole(base.shape), _whole((total, columns)), _whole((total, columns))],
         out_shape=[
             jax.ShapeDtypeStruct(base.shape, base.dtype),
-            jax.ShapeDtypeStruct((total, blocks), jnp.float32),
-            jax.ShapeDtypeStruct((total, blocks), jnp.int32),
+            jax.ShapeDtypeStruct((total, columns), jnp.float32),
+            jax.ShapeDtypeStruct((total, columns), jnp.int32),
         ],
         input_output_aliases=aliases,
         interpret=interpret,
@@ -456,7 +475,7 @@ def pick_raced_tiles(
     """Each row's token from :func:`race_tiles`' output, and its ``markov_w1`` row.
 
     Args:
-      score, token: ``[BR, NB]`` from :func:`race_tiles`.
+      score, token: ``[BR, C]`` from :func:`race_tiles`.
       corrected: ``[B, γ, V]`` the corrected logits, slot ``step`` written.
       w1: ``[V, r]`` the ``markov_w1`` table.
       temperatures, greedy, words, step, batch, interpret: as given to :func:`race_tiles`.
@@ -465,11 +484,11 @@ def pick_raced_tiles(
       ``(tokens [BR] int32, e [BR, r])``: the rows' picks (padding rows: unspecified) and
       ``w1[tokens]`` in ``w1``'s dtype (zero rows from ``batch`` on).
     """
-    total, blocks = score.shape
+    total, columns = score.shape
     rank = w1.shape[1]
-    # a power of two of columns, masked from NB on; at least 16, so a one-block vocabulary is not
+    # a power of two of columns, masked from C on; at least 16, so a one-block vocabulary is not
     # a one-element tensor (a guard from the first GPU runs, not shown to be needed)
-    span = max(16, 1 << (blocks - 1).bit_length())
+    span = max(16, 1 << (columns - 1).bit_length())
     kernel = functools.partial(_pick_kernel, batch=batch, span=span, interpret=interpret)
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
     args = [step, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32)]

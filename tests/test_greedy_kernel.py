@@ -1,5 +1,7 @@
 """The greedy walk kernels (Pallas interpreter on the CPU, compiled on GPUs) pick the argmax the XLA walk picks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,18 +72,14 @@ def test_tiles_then_pick_give_the_numpy_argmax_and_the_next_rows(batch, vocab, t
         assert not np.asarray(e[batch:]).any()  # padding rows: zero latents
         if step == 0:
             assert want[min(1, batch - 1)] == 0  # the NaN row
-        # odd steps read the tiles in reverse program order; each tile's outputs keep their places
-        plain = greedy_tiles(
-            zp,
-            w2,
-            base,
-            step,
-            batch=batch,
-            interpret=INTERPRET,
-            tuning=GreedyTuning(tile=tile, chunk=16, alternate=False),
-        )
-        for got, ref in zip((top, idx), plain, strict=True):
-            np.testing.assert_array_equal(np.asarray(got)[:batch], np.asarray(ref)[:batch])
+        # odd steps read the tiles in reverse program order; each tile's outputs keep their
+        # places; the base logits loaded before the loop over the rank or after it, the same
+        rows = min(padded_rows(batch), 128)
+        for change in ({"alternate": False}, {"prefetch": not tuning.prefetch_for(rows)}):
+            plain = dataclasses.replace(tuning, **change)
+            other = greedy_tiles(zp, w2, base, step, batch=batch, interpret=INTERPRET, tuning=plain)
+            for got, ref in zip((top, idx), other, strict=True):
+                np.testing.assert_array_equal(np.asarray(got)[:batch], np.asarray(ref)[:batch])
     assert want[0] == 5  # the tie
 
 
@@ -166,6 +164,10 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
         GreedyTuning(alternate="yes")
     assert GreedyTuning().warps_for(16) == 4 and GreedyTuning().warps_for(128) == 8
     assert GreedyTuning(warps=2).warps_for(128) == 2
+    assert GreedyTuning().prefetch_for(16) and not GreedyTuning().prefetch_for(32)  # README note 87
+    assert GreedyTuning(prefetch=True).prefetch_for(128) and not GreedyTuning(prefetch=False).prefetch_for(16)
+    with pytest.raises(ValueError, match="prefetch='yes' is invalid: must be True, False or None"):
+        GreedyTuning(prefetch="yes")
 
     z, w1, w2, base = _exact_inputs(2, 1, 64, 16, seed=0)
     zp = jnp.zeros((16, 16), z.dtype).at[:2].set(z)

@@ -41,10 +41,19 @@ def _rows(batch, seed):
 
 
 # one block of 64 tokens (V < W); the last block short, B padded to 32; three row blocks of 16;
-# persistent programs: two over three blocks (the short one included), one over both blocks
+# persistent programs: two over three blocks (the short one included), one over both blocks,
+# as many as the blocks (one each, in reverse order on odd steps)
 @pytest.mark.parametrize(
     "batch, vocab, max_rows, programs",
-    [(1, 64, 64, 0), (20, 300, 64, 0), (40, 130, 16, 0), (20, 300, 64, 2), (40, 130, 16, 1), (1, 64, 64, 4)],
+    [
+        (1, 64, 64, 0),
+        (20, 300, 64, 0),
+        (40, 130, 16, 0),
+        (20, 300, 64, 2),
+        (40, 130, 16, 1),
+        (1, 64, 64, 4),
+        (3, 300, 16, 5),
+    ],
 )
 def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch, vocab, max_rows, programs):
     rank, gamma = 32, 2
@@ -62,7 +71,8 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
             zp, w2, base, corrected, t, g, words, step, batch=batch, interpret=INTERPRET, tuning=tuning
         )
         blocks = -(-vocab // S.race_width(vocab))
-        assert score.shape == token.shape == (padded_rows(batch), blocks)
+        columns = min(programs, blocks) if programs and batch > 1 else blocks
+        assert score.shape == token.shape == (padded_rows(batch), columns)
         if batch == 1:  # the one row finished alone: the padding rows' outputs written, not left as they were
             assert np.all(np.asarray(score)[1:] == -np.inf) and not np.asarray(token)[1:].any()
         tokens, e = pick_raced_tiles(score, token, corrected, w1, t, g, words, step, batch=batch, interpret=INTERPRET)
@@ -74,22 +84,37 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
         np.testing.assert_array_equal(np.asarray(corrected[:, step], np.float32), np.asarray(want_kept))
         np.testing.assert_array_equal(np.asarray(e[:batch]), np.asarray(w1)[np.asarray(want)])
         assert not np.asarray(e[batch:]).any()  # padding rows: zero latents
-        # odd steps read the blocks in reverse program order; each block's outputs keep their places
-        plain = race_tiles(
-            zp,
-            w2,
-            base,
-            corrected,
-            t,
-            g,
-            words,
-            step,
-            batch=batch,
-            interpret=INTERPRET,
-            tuning=dataclasses.replace(tuning, alternate=False),
+
+        # odd steps read the blocks in reverse program order; each block's outputs keep their
+        # places; a persistent program's column is its rows' best over the blocks it took
+        plain = dataclasses.replace(tuning, programs=0, alternate=False)
+        per_block = race_tiles(
+            zp, w2, base, corrected, t, g, words, step, batch=batch, interpret=INTERPRET, tuning=plain
+        )  # fmt: skip
+        per_block = [np.asarray(x, np.float32)[:batch] for x in per_block]
+        np.testing.assert_array_equal(per_block[2], np.asarray(corrected, np.float32))
+        sampling = ~np.asarray(greedy)
+        np.testing.assert_array_equal(
+            per_block[1][sampling], np.broadcast_to(np.arange(blocks), per_block[1][sampling].shape)
         )
-        for got, ref in zip((score, token, corrected), plain, strict=True):
-            np.testing.assert_array_equal(np.asarray(got, np.float32)[:batch], np.asarray(ref, np.float32)[:batch])
+        persistent = programs and batch > 1
+        want_columns = _program_bests(*per_block[:2], columns, odd=step % 2 == 1) if persistent else per_block[:2]
+        for got, ref in zip((score, token), want_columns, strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float32)[:batch], ref)
+
+
+def _program_bests(score, key, programs, *, odd):
+    """NumPy reference of the persistent programs' columns from each block's ``(score, key)``
+    ``[B, NB]``: program ``p`` takes blocks ``p, p + P, …`` (on odd steps ``NB − 1 − p, …``)
+    and keeps each row's highest score, on a tie its lowest key."""
+    blocks = score.shape[1]
+    best = np.full((score.shape[0], programs), -np.inf, np.float32), np.full((score.shape[0], programs), np.inf)
+    for p in range(programs):
+        mine = [blocks - 1 - j if odd else j for j in range(p, blocks, programs)]
+        for row in range(score.shape[0]):
+            pairs = sorted((-score[row, j], key[row, j]) for j in mine)  # highest score, then lowest key
+            best[0][row, p], best[1][row, p] = -pairs[0][0], pairs[0][1]
+    return best[0], best[1].astype(np.float32)
 
 
 def test_ties_nan_and_all_minus_inf_rows():
@@ -203,7 +228,7 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
         with pytest.raises(ValueError, match=f"programs={value!r} is invalid: must be an integer >= 0"):
             TileRaceTuning(programs=value)
     # the persistent programs by batch: none at batch 1, the table's beyond its last batch
-    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [0, 594, 594, 0, 396, 0, 0]
+    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [0, 594, 594, 594, 396, 264, 0]
     assert dataclasses.replace(tile_race_tuning(32), programs=0) == TileRaceTuning()
     assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
     assert TileRaceTuning(warps=2).warps_for(128) == 2
