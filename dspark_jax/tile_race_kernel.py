@@ -210,9 +210,7 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
         plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
         rows = 1
     score, key = _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
-    here = (pl.ds(first_row, rows), pl.ds(block, 1))
-    score_ref[here] = score[:, None]
-    token_ref[here] = key[:, None]
+    _store_column(refs, first_row, block, score, key)
 
 
 def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
@@ -225,7 +223,6 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     takes over all blocks) is carried through the loop and written once, into column ``p`` of
     ``score`` and ``token`` ``[BR, P]`` (README note 87). Refs as :func:`_tile_kernel`'s."""
     step_ref, z_ref, w2_ref = refs[:3]
-    score_ref, token_ref = refs[-2:]
     vocab, rank = w2_ref.shape
     width, per = race_width(vocab), rank // chunk
     blocks, count = -(-vocab // width), pl.num_programs(1)  # NB, P
@@ -248,7 +245,14 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
 
     none = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.full((rows,), NO_ID, jnp.int32))
     _, (score, key) = jax.lax.fori_loop(0, mine * per, body, (jnp.zeros((rows, width), jnp.float32), none))
-    here = (pl.ds(first_row, rows), pl.ds(p, 1))
+    _store_column(refs, first_row, p, score, key)
+
+
+def _store_column(refs, first_row, column, score, key):
+    """Rows ``first_row …`` of column ``column`` of the ``score`` and ``token`` outputs (the
+    kernel's last two refs) from ``score`` float32 and ``key`` int32 ``[rows]``."""
+    score_ref, token_ref = refs[-2:]
+    here = (pl.ds(first_row, score.shape[0]), pl.ds(column, 1))
     score_ref[here] = score[:, None]
     token_ref[here] = key[:, None]
 
