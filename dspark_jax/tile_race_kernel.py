@@ -81,8 +81,8 @@ class TileRaceTuning:
         L2 (README note 70; the blocks' outputs keep their places).
       programs: 0 for one program per race block; ``P > 0`` for ``min(P, NB)`` persistent
         programs per row block, program ``p`` taking race blocks ``p, p + P, …`` in one
-        pipelined loop and writing its rows' best over them (README notes 86 and 87). Batch 1
-        always runs one program per block (its one row is finished alone, README note 77).
+        pipelined loop and writing its rows' best over them (README notes 86 and 87; at batch
+        1 the one row is finished alone either way, README note 77).
 
     The defaults, measured on the H200 with the 8B draft (README notes 66 and 67; the walk
     alone, µs per step, pipelined): at batch 32 one row block of 32 rows at 4 warps, sampling
@@ -116,7 +116,7 @@ TILE_RACE_TUNING = TileRaceTuning()
 """The layout :func:`race_tiles` starts from unless given one (:func:`tile_race_tuning` sets its
 ``programs`` by batch)."""
 
-TILE_RACE_PROGRAMS = ((1, 0), (16, 594), (32, 396), (64, 264))
+TILE_RACE_PROGRAMS = ((1, 396), (16, 594), (32, 396), (64, 264))
 """``(largest batch, programs)``: the persistent programs per row block :func:`tile_race_tuning`
 picks (0, one program per race block, beyond the last pair). Measured on the H200 (132 SMs)
 with the 8B draft, the walk alone, device µs per walk (all-greedy rows / mixed / sampling),
@@ -129,7 +129,10 @@ programs 208.5 / 269.8 / 254.1 (264: 239.8 / 328.7 / 310.0; 528: 219.5 / 277.2 /
 16 197.9 / 225.1 / 220.4, 594 programs 180.2 / 218.3 / 206.3 (396: 191.3 / 228.3 / 223.1); batch
 64 332.9 / 350.7 / 371.1, 264 programs 285.9 / 351.2 / 356.8 (396: 321.9 / 399.9 / 391.0); batch
 8 170.2 / 195.0 / 184.7 with 594 programs storing each block, 168.7 / 194.8 / 185.4 storing
-each program's best."""
+each program's best. Note 89 (batch 1, its one row finished alone in the persistent programs
+too; all-greedy rows / sampling, the batch's mixed being its sampling): one program per block
+172.4 / 188.7, 132 programs 226.1 / 251.3, 264 177.0 / 196.7, **396 159.9 / 171.6**, 594
+152.2 / 176.7, 792 170.1 / 173.9; at 2 warps 396 161.4 / 172.1, 594 151.9 / 174.6."""
 
 
 def tile_race_tuning(batch: int) -> TileRaceTuning:
@@ -189,10 +192,7 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
     tile and finishes it alone (the padding rows get score ``-inf`` and token 0), so the
     race's arithmetic runs on 1 row instead of 16 (README note 77).
     """
-    from jax.experimental.pallas import triton as plgpu
-
     step_ref, z_ref, w2_ref = refs[:3]
-    score_ref, token_ref = refs[-2:]
     rank = w2_ref.shape[1]
     block = walk_tile(step_ref[0], alternate)
     first_row = pl.program_id(0) * rows
@@ -203,12 +203,8 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
         jnp.zeros((rows, race_width(w2_ref.shape[0])), jnp.float32),
     )
     if batch == 1 < rows:  # one real row: finish it alone, not its tensor-core tile's padding too
-        row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        acc = jnp.where(row == 0, acc, -jnp.inf).max(axis=0, keepdims=True)  # [1, W], row 0's sums exactly
-        column, padding = (pl.ds(0, rows), pl.ds(block, 1)), row > 0  # Triton takes power-of-two shapes only
-        plgpu.store(score_ref.at[column], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
-        plgpu.store(token_ref.at[column], jnp.zeros((rows, 1), jnp.int32), mask=padding)
-        rows = 1
+        _store_padding(refs, rows, block)
+        acc, rows = _row_zero(acc), 1
     score, key = _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
     _store_column(refs, first_row, block, score, key)
 
@@ -229,6 +225,8 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     p, step = pl.program_id(1), step_ref[0]
     first_row = pl.program_id(0) * rows
     mine = jax.lax.div(blocks - 1 - p, count) + 1  # blocks p, p + P, … below NB
+    alone = batch == 1 < rows  # one real row, finished alone as in _tile_kernel
+    kept = 1 if alone else rows  # rows whose best the loop carries
 
     def body(i, carry):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
         acc, held = carry
@@ -237,15 +235,37 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
         acc = acc + _block_product(z_ref, w2_ref, first_row, rows, block, c, chunk)
 
         def finish():
-            score, key = _finish_block(acc, block, first_row, rows, refs, batch=batch, interpret=interpret)
-            better = (score > held[0]) | ((score == held[0]) & (key < held[1]))  # [rows]
+            sums = _row_zero(acc) if alone else acc
+            score, key = _finish_block(sums, block, first_row, kept, refs, batch=batch, interpret=interpret)
+            better = (score > held[0]) | ((score == held[0]) & (key < held[1]))  # [kept]
             return jnp.zeros_like(acc), (jnp.where(better, score, held[0]), jnp.where(better, key, held[1]))
 
         return jax.lax.cond(c == per - 1, finish, lambda: (acc, held))
 
-    none = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.full((rows,), NO_ID, jnp.int32))
+    none = (jnp.full((kept,), -jnp.inf, jnp.float32), jnp.full((kept,), NO_ID, jnp.int32))
     _, (score, key) = jax.lax.fori_loop(0, mine * per, body, (jnp.zeros((rows, width), jnp.float32), none))
+    if alone:
+        _store_padding(refs, rows, p)
     _store_column(refs, first_row, p, score, key)
+
+
+def _row_zero(acc):
+    """``[1, W]``: row 0 of ``acc [rows, W]`` exactly (Triton takes power-of-two shapes only, so
+    the row is taken by a masked maximum, not a slice)."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (acc.shape[0], 1), 0)
+    return jnp.where(row == 0, acc, -jnp.inf).max(axis=0, keepdims=True)
+
+
+def _store_padding(refs, rows, column):
+    """Batch 1's padding rows ``1 … rows − 1`` of column ``column`` of the ``score`` and ``token``
+    outputs (the kernel's last two refs): score ``-inf``, token 0, so that they are written, not
+    left as the buffer held them."""
+    from jax.experimental.pallas import triton as plgpu
+
+    score_ref, token_ref = refs[-2:]
+    here, padding = (pl.ds(0, rows), pl.ds(column, 1)), jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) > 0
+    plgpu.store(score_ref.at[here], jnp.full((rows, 1), -jnp.inf, jnp.float32), mask=padding)
+    plgpu.store(token_ref.at[here], jnp.zeros((rows, 1), jnp.int32), mask=padding)
 
 
 def _store_column(refs, first_row, column, score, key):
@@ -394,7 +414,7 @@ def race_tiles(
       ``(score [BR, C] float32, token [BR, C] int32, corrected [B, γ, V])``: per row and
       column, a greedy row's largest float32 ``base + bias`` and the lowest id holding it, a
       sampling row's block score and the block's index; a column is a race block (``C = NB``),
-      or with persistent programs (``tuning.programs``, batch > 1) a program's best over its
+      or with persistent programs (``tuning.programs``) a program's best over its
       blocks (``C = min(programs, NB)``: the higher score, on a tie the lower token or block).
 
     Raises:
@@ -427,7 +447,7 @@ def race_tiles(
         )
     rows = min(total, tuning.max_rows)
     blocks = -(-vocab // race_width(vocab))
-    programs = min(tuning.programs, blocks) if batch > 1 else 0
+    programs = min(tuning.programs, blocks)
     columns = programs or blocks  # C: one (score, key) column per program
     kernel = functools.partial(
         _persistent_kernel if programs else _tile_kernel,

@@ -42,6 +42,7 @@ def _rows(batch, seed):
 
 # one block of 64 tokens (V < W); the last block short, B padded to 32; three row blocks of 16;
 # persistent programs: two over three blocks (the short one included), one over both blocks,
+# one over batch 1's one block, two over batch 1's three blocks (its one row finished alone),
 # as many as the blocks (one each, in reverse order on odd steps)
 @pytest.mark.parametrize(
     "batch, vocab, max_rows, programs",
@@ -52,6 +53,7 @@ def _rows(batch, seed):
         (20, 300, 64, 2),
         (40, 130, 16, 1),
         (1, 64, 64, 4),
+        (1, 300, 16, 2),
         (3, 300, 16, 5),
     ],
 )
@@ -71,7 +73,7 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
             zp, w2, base, corrected, t, g, words, step, batch=batch, interpret=INTERPRET, tuning=tuning
         )
         blocks = -(-vocab // S.race_width(vocab))
-        columns = min(programs, blocks) if programs and batch > 1 else blocks
+        columns = min(programs, blocks) if programs else blocks
         assert score.shape == token.shape == (padded_rows(batch), columns)
         if batch == 1:  # the one row finished alone: the padding rows' outputs written, not left as they were
             assert np.all(np.asarray(score)[1:] == -np.inf) and not np.asarray(token)[1:].any()
@@ -97,7 +99,7 @@ def test_tiles_then_pick_give_the_xla_samplers_tokens_and_corrected_logits(batch
         np.testing.assert_array_equal(
             per_block[1][sampling], np.broadcast_to(np.arange(blocks), per_block[1][sampling].shape)
         )
-        persistent = programs and batch > 1
+        persistent = programs > 0
         want_columns = _program_bests(*per_block[:2], columns, odd=step % 2 == 1) if persistent else per_block[:2]
         for got, ref in zip((score, token), want_columns, strict=True):
             np.testing.assert_array_equal(np.asarray(got, np.float32)[:batch], ref)
@@ -227,8 +229,8 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     for value in (-1, 2.0, True):
         with pytest.raises(ValueError, match=f"programs={value!r} is invalid: must be an integer >= 0"):
             TileRaceTuning(programs=value)
-    # the persistent programs by batch: none at batch 1, the table's beyond its last batch
-    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [0, 594, 594, 594, 396, 264, 0]
+    # the persistent programs by batch: none beyond the table's last batch
+    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [396, 594, 594, 594, 396, 264, 0]
     assert dataclasses.replace(tile_race_tuning(32), programs=0) == TileRaceTuning()
     assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
     assert TileRaceTuning(warps=2).warps_for(128) == 2
