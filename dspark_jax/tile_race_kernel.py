@@ -226,7 +226,7 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
     first_row = pl.program_id(0) * rows
     mine = jax.lax.div(blocks - 1 - p, count) + 1  # blocks p, p + P, … below NB
     alone = batch == 1 < rows  # one real row, finished alone as in _tile_kernel
-    kept = 1 if alone else rows  # rows whose best the loop carries
+    carried = 1 if alone else rows  # rows whose best the loop carries
 
     def body(i, carry):  # lax.div / lax.rem: `//` and `%` on the loop index do not lower here
         acc, held = carry
@@ -236,13 +236,13 @@ def _persistent_kernel(*refs, batch, rows, chunk, alternate, interpret):
 
         def finish():
             sums = _row_zero(acc) if alone else acc
-            score, key = _finish_block(sums, block, first_row, kept, refs, batch=batch, interpret=interpret)
-            better = (score > held[0]) | ((score == held[0]) & (key < held[1]))  # [kept]
+            score, key = _finish_block(sums, block, first_row, carried, refs, batch=batch, interpret=interpret)
+            better = (score > held[0]) | ((score == held[0]) & (key < held[1]))  # [carried]
             return jnp.zeros_like(acc), (jnp.where(better, score, held[0]), jnp.where(better, key, held[1]))
 
         return jax.lax.cond(c == per - 1, finish, lambda: (acc, held))
 
-    none = (jnp.full((kept,), -jnp.inf, jnp.float32), jnp.full((kept,), NO_ID, jnp.int32))
+    none = (jnp.full((carried,), -jnp.inf, jnp.float32), jnp.full((carried,), NO_ID, jnp.int32))
     _, (score, key) = jax.lax.fori_loop(0, mine * per, body, (jnp.zeros((rows, width), jnp.float32), none))
     if alone:
         _store_padding(refs, rows, p)
