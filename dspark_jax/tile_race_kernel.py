@@ -29,7 +29,11 @@ it's race (README note 86), and keep each row's best ``(score, token or block)``
 blocks, so that they write one column each, not one per block (README note 87).
 
 Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
-the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest); the bias is a sum over
+the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest), with one exception that
+gives the same numbers: the blocks' scores divide by ``T`` through :func:`_quotient`
+(Markstein's correction from one reciprocal per row), which equals the rounded division
+wherever a block's top is not in :data:`QUOTIENT_BAND`; the rare rows where it is are raced
+again by the pick with the rounded division (:data:`RERACE`, README note 91). The bias is a sum over
 ``r`` whose float32 order may differ from the XLA GEMM's, so, as with the greedy kernels, a
 bias can differ by one unit of the head's dtype, and the corrected logits with it (the tokens
 are raced on the corrected logits the round returns, so verification stays exact).
@@ -327,20 +331,81 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
         top = x.max(axis=1)  # [rows]
         return top, jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)
 
-    def sampled_part():  # the block's score in the race of kept / T
-        y = _divide(kept.astype(jnp.float32), t_ref[here][:, None], interpret)
+    def sampled_part():  # the block's score in the race of kept / T, and whether to re-race the row
+        t = t_ref[here]  # [rows]
+        y = _quotient(kept.astype(jnp.float32), t[:, None], interpret)
         top, mass = block_mass(jnp.where(valid & ~jnp.isnan(y), y, -jnp.inf))
         counter = jnp.full((rows,), block, jnp.uint32)
         noise = _noise(words_ref[0, step, here], words_ref[1, step, here], counter, BLOCK_NOISE, interpret)
-        return block_log_mass(top, mass) - noise
+        rerace = _quotient_unsure(top, t)
+        return jnp.where(rerace, jnp.inf, block_log_mass(top, mass) - noise), jnp.where(rerace, RERACE, block)
 
     def some(chosen):  # any real row of this block chosen (Triton lowers no reduce_or)
         return jnp.where(real & chosen, 1, 0).max() > 0
 
-    none = jnp.full((rows,), -jnp.inf, jnp.float32)
-    top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, jnp.zeros((rows,), jnp.int32) + block))
-    score = jax.lax.cond(some(~greedy), sampled_part, lambda: none + 0)
-    return jnp.where(greedy, top, score), jnp.where(greedy, best, block)
+    none, blocks = jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.int32) + block
+    top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, blocks))
+    score, key = jax.lax.cond(some(~greedy), sampled_part, lambda: (none + 0, blocks))
+    return jnp.where(greedy, top, score), jnp.where(greedy, best, key)
+
+
+RERACE = -1
+"""The key a sampling row's block gets when :func:`_quotient` may differ from ``RN(kept / T)``
+there (with score ``+inf``, so that it wins the row's column and the pick): :func:`_pick_kernel`
+then races the row's blocks again with the division rounded to nearest."""
+
+QUOTIENT_BAND = (-(2.0**-80), 2.0**-50)
+"""A block's top ``max(kept / T)`` strictly between these two, or ``T`` not below
+:data:`QUOTIENT_MAX_T`, re-races the row (README note 91): outside them :func:`_quotient`'s block
+scores are exactly those of ``RN(kept / T)``."""
+
+QUOTIENT_MAX_T = 2.0**17
+
+
+def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """``RN(a·b + c)`` in float32, one rounding (PTX ``fma.rn``), operands broadcast together."""
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
+    [out] = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;",
+        args=[jnp.broadcast_to(u, shape) for u in (a, b, c)],
+        constraints="=f,f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+    )
+    return out
+
+
+def _quotient(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
+    """``x / t`` for the blocks' race, ``x`` float32 ``[rows, W]`` and ``t`` ``[rows, 1]`` > 0.
+
+    On GPUs by Markstein's correction from one reciprocal per row, not a correctly rounded
+    division per token (whose reciprocal runs on the SMs' special-function units, a quarter of
+    the float32 rate): with ``y = RN(1/t)/4``, ``q = RN(x·y)``, ``r = fma(−4t, q, x)`` and
+    ``RN(x/t) = 4·fma(r, y, q)``. Computing ``x/(4t)`` and scaling back makes an ``x/t`` near the
+    float32 overflow round as the division does; an infinite or NaN ``x`` keeps ``q``. Checked
+    in exact rational arithmetic (README note 91): equal to ``RN(x/t)`` for every bf16 ``x`` tried
+    with ``2⁻⁹⁸ ≤ |x|`` (overflow included) and ``t`` in ``[2⁻¹⁷, 2¹⁷)``; for smaller ``|x|`` it may
+    differ, but both stay below ``2⁻⁸¹`` in size. So a block's mass and top are exactly
+    ``RN(x/t)``'s unless its top lies in :data:`QUOTIENT_BAND` (where those tiny quotients can
+    count) or ``t`` is out of that range: :func:`_quotient_unsure` flags those rows, and the pick
+    races them again with the division. The interpreter divides.
+    """
+    if interpret:
+        return _divide(x, t, interpret)
+    quarter = _divide(t * 0.0 + 1.0, t, interpret) * 0.25  # [rows, 1]; no constant operand (jax 0.11)
+    q = x * quarter
+    res = _fma(_fma(t * -4.0, q, x), quarter, q)
+    return jnp.where(jnp.isnan(res), q, res) * 4.0
+
+
+def _quotient_unsure(top: jax.Array, t: jax.Array) -> jax.Array:
+    """``[rows]`` bool: rows whose block top ``top`` (of :func:`_quotient`'s values) or
+    temperature ``t`` fall where :func:`_quotient` is not shown exact (:data:`QUOTIENT_BAND`,
+    :data:`QUOTIENT_MAX_T`; a NaN ``t`` too)."""
+    low, high = QUOTIENT_BAND
+    return ((top > low) & (top < high)) | ~(t < QUOTIENT_MAX_T)
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
@@ -361,11 +426,31 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, c
     top = real & (scores == scores.max())
     key = jnp.where(top, plgpu.load(token_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID), NO_ID).min()
 
+    rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+
+    def reraced():  # every block's race score again, divided by T rounded to nearest (RERACE)
+        def body(j, best):
+            ids = j * width + lanes
+            inside = ids < vocab
+            kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(j * width, width)], mask=inside, other=0)
+            y = _divide(kept.astype(jnp.float32)[None, :], t_ref[b], interpret)  # [1, W]
+            top, mass = block_mass(jnp.where(inside[None, :] & ~jnp.isnan(y), y, -jnp.inf))  # [1]
+            counter = jnp.full((1,), j, jnp.uint32)
+            score = block_log_mass(top, mass) - _noise(
+                words_ref[0, step, b], words_ref[1, step, b], counter, BLOCK_NOISE, interpret
+            )
+            better = score > best[0]  # blocks in order: on a tie the lower one stays
+            return jnp.where(better, score, best[0]), jnp.where(better, j, best[1])
+
+        none = (jnp.full((1,), -jnp.inf, jnp.float32), jnp.zeros((1,), jnp.int32))
+        return jax.lax.fori_loop(0, -(-vocab // width), body, none)[1].max()
+
     def sampled():
-        first = key * width
-        ids = first + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        block = jax.lax.cond(key == RERACE, reraced, lambda: key)
+        first = block * width
+        ids = first + lanes
         inside = ids < vocab
-        rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
         kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(first, width)], mask=inside, other=0).astype(jnp.float32)
         noise = _noise(words_ref[0, step, b], words_ref[1, step, b], ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
         raced = _divide(kept, t_ref[b], interpret) - noise
