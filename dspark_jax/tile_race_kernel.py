@@ -350,9 +350,10 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
 
 
 RERACE = -1
-"""The key a sampling row's block gets when :func:`_quotient` may differ from ``RN(kept / T)``
-there (with score ``+inf``, so that it wins the row's column and the pick): :func:`_pick_kernel`
-then races the row's blocks again with the division rounded to nearest."""
+"""The key (token) a sampling row's block gets, with score ``+inf`` so that it wins the row's
+pick, when :func:`_quotient` may differ from ``RN(kept / T)`` there
+(:func:`_quotient_unsure`): the pick kernel then races the row's blocks again with the division
+rounded to nearest (:func:`_reraced_block`)."""
 
 QUOTIENT_BAND = (-(2.0**-80), 2.0**-50)
 """A block's top ``max(kept / T)`` strictly between these two, or ``T`` not below
@@ -378,7 +379,8 @@ def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def _quotient(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
-    """``x / t`` for the blocks' race, ``x`` float32 ``[rows, W]`` and ``t`` ``[rows, 1]`` > 0.
+    """``x / t`` for the blocks' race: ``x`` float32 ``[..., W]``, ``t`` > 0 broadcastable to it with
+    size-1 last axis (one temperature per row: ``[rows, 1]``, ``[1, 1]`` or ``[1]``).
 
     On GPUs by Markstein's correction from one reciprocal per row, not a correctly rounded
     division per token (whose reciprocal runs on the SMs' special-function units, a quarter of
@@ -394,18 +396,37 @@ def _quotient(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
     """
     if interpret:
         return _divide(x, t, interpret)
-    quarter = _divide(t * 0.0 + 1.0, t, interpret) * 0.25  # [rows, 1]; no constant operand (jax 0.11)
+    quarter = _divide(t * 0.0 + 1.0, t, interpret) * 0.25  # t's shape; no constant operand (jax 0.11)
     q = x * quarter
     res = _fma(_fma(t * -4.0, q, x), quarter, q)
     return jnp.where(jnp.isnan(res), q, res) * 4.0
 
 
 def _quotient_unsure(top: jax.Array, t: jax.Array) -> jax.Array:
-    """``[rows]`` bool: rows whose block top ``top`` (of :func:`_quotient`'s values) or
-    temperature ``t`` fall where :func:`_quotient` is not shown exact (:data:`QUOTIENT_BAND`,
-    :data:`QUOTIENT_MAX_T`; a NaN ``t`` too)."""
+    """Bool, ``top``'s and ``t``'s shape broadcast: the blocks whose top ``top`` (of
+    :func:`_quotient`'s values) or row temperature ``t`` fall where :func:`_quotient` is not shown
+    exact (:data:`QUOTIENT_BAND`, :data:`QUOTIENT_MAX_T`; a NaN ``t`` too)."""
     low, high = QUOTIENT_BAND
     return ((top > low) & (top < high)) | ~(t < QUOTIENT_MAX_T)
+
+
+def _reraced_block(kept_of, t, k0, k1, blocks, interpret):
+    """A re-raced row's block (:data:`RERACE`), int32 scalar: each of its ``blocks`` race blocks'
+    score again with the division rounded to nearest, the best one (the lowest on a tie, as the
+    blocks' race takes it). ``kept_of(j)`` gives block ``j``'s corrected logits ``[W]`` float32
+    and which of them are inside the vocabulary; ``t`` the row's temperature, ``k0, k1`` its
+    step's key words (scalars). One block per loop step: slow, for the rare rows it serves."""
+
+    def body(j, best):
+        kept, inside = kept_of(j)
+        y = _divide(kept[None, :], t, interpret)  # [1, W]
+        top, mass = block_mass(jnp.where(inside[None, :] & ~jnp.isnan(y), y, -jnp.inf))  # [1]
+        score = block_log_mass(top, mass) - _noise(k0, k1, jnp.full((1,), j, jnp.uint32), BLOCK_NOISE, interpret)
+        better = score > best[0]  # blocks in order: on a tie the lower one stays
+        return jnp.where(better, score, best[0]), jnp.where(better, j, best[1])
+
+    none = (jnp.full((1,), -jnp.inf, jnp.float32), jnp.zeros((1,), jnp.int32))
+    return jax.lax.fori_loop(0, blocks, body, none)[1].max()
 
 
 def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
@@ -429,22 +450,14 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, c
     rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
     lanes = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
 
-    def reraced():  # every block's race score again, divided by T rounded to nearest (RERACE)
-        def body(j, best):
-            ids = j * width + lanes
-            inside = ids < vocab
-            kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(j * width, width)], mask=inside, other=0)
-            y = _divide(kept.astype(jnp.float32)[None, :], t_ref[b], interpret)  # [1, W]
-            top, mass = block_mass(jnp.where(inside[None, :] & ~jnp.isnan(y), y, -jnp.inf))  # [1]
-            counter = jnp.full((1,), j, jnp.uint32)
-            score = block_log_mass(top, mass) - _noise(
-                words_ref[0, step, b], words_ref[1, step, b], counter, BLOCK_NOISE, interpret
-            )
-            better = score > best[0]  # blocks in order: on a tie the lower one stays
-            return jnp.where(better, score, best[0]), jnp.where(better, j, best[1])
+    def kept_of(j):  # block j's corrected logits, read back
+        inside = j * width + lanes < vocab
+        kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(j * width, width)], mask=inside, other=0)
+        return kept.astype(jnp.float32), inside
 
-        none = (jnp.full((1,), -jnp.inf, jnp.float32), jnp.zeros((1,), jnp.int32))
-        return jax.lax.fori_loop(0, -(-vocab // width), body, none)[1].max()
+    def reraced():  # RERACE: every block's score again, divided by T rounded to nearest
+        k0, k1 = words_ref[0, step, b], words_ref[1, step, b]
+        return _reraced_block(kept_of, t_ref[b], k0, k1, -(-vocab // width), interpret)
 
     def sampled():
         block = jax.lax.cond(key == RERACE, reraced, lambda: key)

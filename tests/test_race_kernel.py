@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_testing import TINY_ROUND_SEED, planted_race_rows, tiny_rounds_per_choice
+from draft_testing import TINY_ROUND_SEED, planted_race_rows, tiny_rounds_per_choice, unsure_race_rows
 
 from dspark_jax import sampling as S
 from dspark_jax.race_kernel import (
@@ -64,6 +64,24 @@ def test_blocks_per_program_changes_no_token():
         ref, want = race_step(base, bias[step], want, *rows, step, interpret=INTERPRET, tuning=tunings[1])
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # every slot, the masked tail untouched
+
+
+@pytest.mark.parametrize("per_program", [1, 2])  # 2: the second program's last block past V
+def test_edge_quotients_give_the_xla_samplers_tokens(per_program):
+    """The rows of :func:`draft_testing.unsure_race_rows` (tiny, zero and overflowing quotients,
+    ``T >= 2¹⁷``), with a bias: the XLA sampler's tokens (this kernel divides by rounding)."""
+    base, temps, greedy, unsure = unsure_race_rows()
+    batch, _, vocab = base.shape
+    bias = jnp.where(jnp.asarray(unsure.any(1))[:, None], 0.0, jax.random.normal(jax.random.key(1), (batch, vocab)))
+    bias = bias.astype(jnp.bfloat16)  # none on the rows the quotient is unsure of (their tops stay tiny)
+    tuning = RaceTuning(blocks_per_program=per_program)
+    for seed in range(4):
+        keys = S.row_keys(jax.random.key(seed), batch)
+        words = S._key_words(S.step_keys(keys, 0))[:, None]  # [B, 1, 2]
+        tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET, tuning=tuning)
+        logits = base[:, 0].astype(jnp.float32) + bias.astype(jnp.float32)
+        want = _sample_step(logits, temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
 
 
 def test_race_tuning_parses_and_refuses_bad_values():

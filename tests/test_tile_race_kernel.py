@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_testing import planted_race_rows, tiny_round
+from draft_testing import planted_race_rows, tiny_round, unsure_race_rows
 from test_greedy_kernel import _exact_inputs, _tiny_head
 
 from dspark_jax import propose
@@ -15,8 +15,6 @@ from dspark_jax.greedy_kernel import padded_rows
 from dspark_jax.markov import markov_walk
 from dspark_jax.race_kernel import RACE_ENV
 from dspark_jax.tile_race_kernel import (
-    QUOTIENT_BAND,
-    QUOTIENT_MAX_T,
     RERACE,
     TILE_RACE_AUTO_BATCHES,
     TILE_RACE_ENV,
@@ -138,33 +136,14 @@ def test_ties_nan_and_all_minus_inf_rows():
 
 @pytest.mark.parametrize("programs", [0, 1])
 def test_rows_with_unsure_quotients_are_reraced_to_the_xla_samplers_tokens(programs):
-    """Blocks whose top ``kept / T`` lies in :data:`QUOTIENT_BAND` (tiny or zero logits), rows at
-    ``T >= QUOTIENT_MAX_T``: their columns hold ``(+inf, RERACE)`` and the pick races the row
-    again with the rounded division (on GPUs the other blocks use Markstein's quotient, which
-    row 7 takes to the float32 overflow: ``1.5·2¹²⁷ / (0.75 + 2⁻²⁴)`` rounds to the largest float)."""
-    batch, vocab, rank = 8, 300, 16
-    rng = np.random.default_rng(5)
-    base = rng.normal(0.0, 2.0, (batch, 1, vocab))
-    base[0] *= 1e-30  # every block's top in the band
-    base[1] = 0.0  # top 0
-    width = S.race_width(vocab)  # three blocks, the last one short
-    base[5, 0, :width] *= 1e-30  # block 0 in the band, the others not
-    base[6, 0, ::2] = -np.inf  # half the tokens masked: not unsure
-    base[7, 0, [3, 150, 299]] = 1.5 * 2.0**127
-    base = jnp.asarray(base, jnp.bfloat16)
-    temps = S.clamp_temperatures(
-        jnp.asarray([0.9, 1.3, 2.0 * QUOTIENT_MAX_T, 0.7, 0.0, 1.1, 0.5, 0.75 + 2.0**-24], jnp.float32)
-    )
-    greedy = jnp.asarray([False, False, False, False, True, False, False, False])
+    """The rows of :func:`draft_testing.unsure_race_rows`: the unsure blocks' columns hold
+    ``(+inf, RERACE)`` and the pick races those rows again with the rounded division (on GPUs
+    the other blocks use Markstein's quotient)."""
+    base, temps, greedy, unsure = unsure_race_rows()
+    batch, _, vocab = base.shape
+    rank = 16
     zp, w = jnp.zeros((16, rank), jnp.bfloat16), jnp.zeros((vocab, rank), jnp.bfloat16)  # no bias
     tuning = TileRaceTuning(max_rows=16, chunk=16, programs=programs)
-    kept = np.asarray(base[:, 0], np.float32)
-    quotient = kept / np.asarray(temps)[:, None]
-    tops = np.stack([quotient[:, j : j + width].max(1) for j in range(0, vocab, width)], 1)  # [B, NB]
-    unsure = ((tops > QUOTIENT_BAND[0]) & (tops < QUOTIENT_BAND[1])) | (np.asarray(temps) >= QUOTIENT_MAX_T)[:, None]
-    unsure &= ~np.asarray(greedy)[:, None]
-    assert unsure[[0, 1, 2]].all() and unsure[5].tolist() == [True, False, False] and not unsure[[3, 4, 6, 7]].any()
-    assert np.all(quotient[7, [3, 150, 299]] == np.finfo(np.float32).max)
     for seed in range(4):
         keys = S.row_keys(jax.random.key(seed), batch)
         t, g, words = padded_walk_inputs(temps, greedy, keys, 1)
