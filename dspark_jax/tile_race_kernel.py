@@ -361,6 +361,7 @@ QUOTIENT_BAND = (-(2.0**-80), 2.0**-50)
 scores are exactly those of ``RN(kept / T)``."""
 
 QUOTIENT_MAX_T = 2.0**17
+"""The temperatures from which :func:`_quotient` is not shown exact: such rows are re-raced."""
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
@@ -379,20 +380,21 @@ def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def _quotient(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
-    """``x / t`` for the blocks' race: ``x`` float32 ``[..., W]``, ``t`` > 0 broadcastable to it with
-    size-1 last axis (one temperature per row: ``[rows, 1]``, ``[1, 1]`` or ``[1]``).
+    """``x / t`` for the blocks' race: ``x`` float32 ``[rows, W]``, ``t`` ``[rows, 1]`` > 0.
 
     On GPUs by Markstein's correction from one reciprocal per row, not a correctly rounded
     division per token (whose reciprocal runs on the SMs' special-function units, a quarter of
     the float32 rate): with ``y = RN(1/t)/4``, ``q = RN(x·y)``, ``r = fma(−4t, q, x)`` and
     ``RN(x/t) = 4·fma(r, y, q)``. Computing ``x/(4t)`` and scaling back makes an ``x/t`` near the
-    float32 overflow round as the division does; an infinite or NaN ``x`` keeps ``q``. Checked
-    in exact rational arithmetic (README note 91): equal to ``RN(x/t)`` for every bf16 ``x`` tried
-    with ``2⁻⁹⁸ ≤ |x|`` (overflow included) and ``t`` in ``[2⁻¹⁷, 2¹⁷)``; for smaller ``|x|`` it may
-    differ, but both stay below ``2⁻⁸¹`` in size. So a block's mass and top are exactly
-    ``RN(x/t)``'s unless its top lies in :data:`QUOTIENT_BAND` (where those tiny quotients can
-    count) or ``t`` is out of that range: :func:`_quotient_unsure` flags those rows, and the pick
-    races them again with the division. The interpreter divides.
+    float32 overflow round as the division does (``x·RN(1/t)`` alone can overflow there); an
+    infinite or NaN ``x`` keeps ``q``. Checked in exact rational arithmetic (README note 91, and
+    ``test_markstein_quotient_is_the_rounded_division_in_exact_arithmetic``): equal to ``RN(x/t)``
+    for every bf16 ``x`` tried with ``2⁻⁹⁸ ≤ |x|`` (overflow included) and ``t`` in
+    ``[2⁻¹⁷, 2¹⁷)``; for smaller ``|x|`` it may differ, but both stay below ``2⁻⁸¹`` in size.
+    So a block's mass and top are exactly ``RN(x/t)``'s unless its top lies in
+    :data:`QUOTIENT_BAND` (where those tiny quotients can count) or ``t`` is out of that range:
+    :func:`_quotient_unsure` flags those rows, and the pick races them again with the division.
+    The interpreter divides.
     """
     if interpret:
         return _divide(x, t, interpret)

@@ -212,8 +212,8 @@ def unsure_race_rows() -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
     shown exact on, and rows it is: every block's top ``kept / T`` in ``QUOTIENT_BAND`` (tiny logits, row 0;
     zero logits, row 1), ``T >= QUOTIENT_MAX_T`` (row 2), block 0 alone (row 5); plain rows (3),
     a greedy one with tiny logits (4), half the tokens ``-inf`` (6), and three tokens whose
-    quotient ``1.5·2¹²⁷ / (0.75 + 2⁻²⁴)`` rounds to the largest float32 (7, Markstein's quotient
-    at the overflow).
+    quotient ``1.9375·2¹²⁷ / (0.96875 + 2⁻²⁴)`` rounds to the largest float32 (7: there
+    ``x·RN(1/t)`` alone overflows, and Markstein's quotient must not).
 
     Returns:
       ``(base bf16 [8, 1, V], temperatures [8] clamped, greedy [8] bool, unsure bool [8, NB])``:
@@ -229,9 +229,9 @@ def unsure_race_rows() -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
     base[1] = 0.0
     base[5, 0, :width] *= 1e-30
     base[6, 0, ::2] = -np.inf
-    base[7, 0, [3, 150, 299]] = 1.5 * 2.0**127
+    base[7, 0, [3, 150, 299]] = 1.9375 * 2.0**127
     base = jnp.asarray(base, jnp.bfloat16)
-    temps = [0.9, 1.3, 2.0 * QUOTIENT_MAX_T, 0.7, 0.0, 1.1, 0.5, 0.75 + 2.0**-24]
+    temps = [0.9, 1.3, 2.0 * QUOTIENT_MAX_T, 0.7, 0.0, 1.1, 0.5, 0.96875 + 2.0**-24]
     temps = S.clamp_temperatures(jnp.asarray(temps, jnp.float32))
     greedy = jnp.asarray([False, False, False, False, True, False, False, False])
     quotient = np.asarray(base[:, 0], np.float32) / np.asarray(temps)[:, None]

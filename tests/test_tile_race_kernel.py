@@ -1,6 +1,7 @@
 """The tiled race kernels (Pallas interpreter on the CPU, compiled on GPUs) pick what the XLA sampler picks."""
 
 import dataclasses
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from dspark_jax.greedy_kernel import padded_rows
 from dspark_jax.markov import markov_walk
 from dspark_jax.race_kernel import RACE_ENV
 from dspark_jax.tile_race_kernel import (
+    QUOTIENT_BAND,
+    QUOTIENT_MAX_T,
     RERACE,
     TILE_RACE_AUTO_BATCHES,
     TILE_RACE_ENV,
@@ -159,6 +162,66 @@ def test_rows_with_unsure_quotients_are_reraced_to_the_xla_samplers_tokens(progr
         tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
         want = _sample_step(base[:, 0].astype(jnp.float32), temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
         np.testing.assert_array_equal(np.asarray(tokens[:batch]), np.asarray(want))
+
+
+def _rn32(q: Fraction) -> Fraction:
+    """``q`` rounded to the nearest float32 (ties to even, subnormals; ``2¹²⁸`` standing for the
+    overflow to infinity), exactly."""
+    if q == 0:
+        return q
+    a = abs(q)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2^(e-1) < a < 2^(e+1)
+    e = max(e - (a < Fraction(2) ** e), -126)  # floor(log2 a), the subnormals' exponent below
+    m = a * Fraction(2) ** (23 - e)
+    n = m.numerator // m.denominator
+    n += (m - n > Fraction(1, 2)) or (m - n == Fraction(1, 2) and n % 2 == 1)
+    return min(Fraction(n) / Fraction(2) ** (23 - e), Fraction(2) ** 128) * (1 if q > 0 else -1)
+
+
+def _markstein(x: Fraction, t: Fraction) -> Fraction:
+    """The tiled kernel's quotient (``tile_race_kernel._quotient``) step by step in exact
+    arithmetic, each operation rounded to float32: ``y = RN(1/t)/4``, ``q = RN(x·y)``,
+    ``r = RN(x − 4t·q)`` (an FMA), ``4·RN(q + r·y)``; an infinite ``q`` makes that NaN, and the
+    kernel keeps ``q``."""
+    inf = Fraction(2) ** 128
+    y = _rn32(1 / t) / 4
+    q = _rn32(x * y)
+    if abs(q) == inf:
+        return q
+    return max(-inf, min(inf, 4 * _rn32(q + _rn32(x - 4 * t * q) * y)))
+
+
+def test_markstein_quotient_is_the_rounded_division_in_exact_arithmetic():
+    """What the GPU kernel's block scores rest on (README note 91), checked without a GPU: for
+    bf16 ``x`` with ``2⁻⁹⁸ ≤ |x|`` (up to the overflow, which both round alike) and ``t`` in
+    ``[2⁻¹⁷, QUOTIENT_MAX_T)``, the quotient equals ``RN(x/t)``; below, both stay under ``2⁻⁸¹``,
+    which :data:`QUOTIENT_BAND` is wide enough to cover."""
+    rng = np.random.default_rng(91)
+    tiny = Fraction(2) ** -81
+    low, high = (Fraction(v) for v in QUOTIENT_BAND)
+    assert tiny < -low and tiny < high * Fraction(2) ** -24  # a tiny quotient under half an ulp of the band's top
+
+    def bf16(exponent):
+        return Fraction(int(rng.integers(128, 256)), 128) * Fraction(2) ** int(exponent) * int(rng.choice([-1, 1]))
+
+    def temperature():
+        return _rn32(Fraction(float(2.0 ** rng.uniform(-17, np.log2(QUOTIENT_MAX_T)))))
+
+    differ = 0
+    for _ in range(1500):
+        x, t = bf16(rng.integers(-98, 128)), temperature()
+        assert _markstein(x, t) == _rn32(x / t), (x, t)
+    for m in range(128, 256):  # x / t within a few float32 steps of the overflow threshold 2¹²⁸ − 2¹⁰³
+        for e, k in ((127, k) for k in range(-2, 8)):  # (x·RN(1/t) alone overflows for 6 of these)
+            x = Fraction(m, 128) * Fraction(2) ** e
+            t = _rn32(x / (Fraction(2) ** 128 * (1 - Fraction(k, 2**25))))
+            assert _markstein(x, t) == _rn32(x / t), (x, t)
+    for _ in range(500):
+        x, t = bf16(rng.integers(-133, -98)), temperature()
+        got, want = _markstein(x, t), _rn32(x / t)
+        assert abs(got) < tiny and abs(want) < tiny, (x, t)
+        differ += got != want
+    assert differ > 0  # tiny quotients do differ: the band is needed
 
 
 def _walk_inputs(cfg, batch, seed, gamma=3):
