@@ -207,13 +207,13 @@ def planted_race_rows() -> tuple[jax.Array, jax.Array, list[int]]:
 
 
 def unsure_race_rows() -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
-    """Eight rows of one walk step over V = 300 (race blocks of 128, the last one short) whose
-    blocks the tiled race kernel's quotient (``dspark_jax.tile_race_kernel._quotient``) is not
-    shown exact on, and rows it is: every block's top ``kept / T`` in ``QUOTIENT_BAND`` (tiny logits, row 0;
-    zero logits, row 1), ``T >= QUOTIENT_MAX_T`` (row 2), block 0 alone (row 5); plain rows (3),
-    a greedy one with tiny logits (4), half the tokens ``-inf`` (6), and three tokens whose
-    quotient ``1.9375·2¹²⁷ / (0.96875 + 2⁻²⁴)`` rounds to the largest float32 (7: there
-    ``x·RN(1/t)`` alone overflows, and Markstein's quotient must not).
+    """Eight rows of one walk step over V = 300 (race blocks of 128, the last one short): rows
+    with blocks the tiled race kernel's quotient (``dspark_jax.tile_race_kernel._quotient``) is
+    not shown exact on, and rows it is. Every block's top ``kept / T`` in ``QUOTIENT_BAND``
+    (tiny logits, row 0; zero logits, row 1), ``T >= QUOTIENT_MAX_T`` (row 2), block 0 alone
+    (row 5); plain rows (3), a greedy one with tiny logits (4), half the tokens ``-inf`` (6),
+    and three tokens whose quotient ``1.9375·2¹²⁷ / (0.96875 + 2⁻²⁴)`` rounds to the largest
+    float32 (7: there ``x·RN(1/t)`` alone overflows, and Markstein's quotient must not).
 
     Returns:
       ``(base bf16 [8, 1, V], temperatures [8] clamped, greedy [8] bool, unsure bool [8, NB])``:
