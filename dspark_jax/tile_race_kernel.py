@@ -334,11 +334,10 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
     def sampled_part():  # the block's score in the race of kept / T, and whether to re-race the row
         t = t_ref[here]  # [rows]
         y = _quotient(kept.astype(jnp.float32), t[:, None], interpret)
-        top, mass = block_mass(jnp.where(valid & ~jnp.isnan(y), y, -jnp.inf))
         counter = jnp.full((rows,), block, jnp.uint32)
-        noise = _noise(words_ref[0, step, here], words_ref[1, step, here], counter, BLOCK_NOISE, interpret)
+        top, score = _block_score(y, valid, words_ref[0, step, here], words_ref[1, step, here], counter, interpret)
         rerace = _quotient_unsure(top, t)
-        return jnp.where(rerace, jnp.inf, block_log_mass(top, mass) - noise), jnp.where(rerace, RERACE, block)
+        return jnp.where(rerace, jnp.inf, score), jnp.where(rerace, RERACE, block)
 
     def some(chosen):  # any real row of this block chosen (Triton lowers no reduce_or)
         return jnp.where(real & chosen, 1, 0).max() > 0
@@ -412,6 +411,16 @@ def _quotient_unsure(top: jax.Array, t: jax.Array) -> jax.Array:
     return ((top > low) & (top < high)) | ~(t < QUOTIENT_MAX_T)
 
 
+def _block_score(y, inside, k0, k1, counter, interpret):
+    """A race block's ``(top, score)``, float32 ``[rows]``, from its quotients ``kept / T``
+    ``y [rows, W]`` (tokens outside ``inside`` and NaN count as ``-inf``): the top and
+    ``log p_S − log E_S`` (:func:`~dspark_jax.sampling.block_log_mass` of
+    :func:`~dspark_jax.sampling.block_mass`, the noise drawn at ``counter``, the block's index,
+    from the rows' key words ``k0, k1``)."""
+    top, mass = block_mass(jnp.where(inside & ~jnp.isnan(y), y, -jnp.inf))
+    return top, block_log_mass(top, mass) - _noise(k0, k1, counter, BLOCK_NOISE, interpret)
+
+
 def _reraced_block(kept_of, t, k0, k1, blocks, interpret):
     """A re-raced row's block (:data:`RERACE`), int32 scalar: each of its ``blocks`` race blocks'
     score again with the division rounded to nearest, the best one (the lowest on a tie, as the
@@ -422,8 +431,7 @@ def _reraced_block(kept_of, t, k0, k1, blocks, interpret):
     def body(j, best):
         kept, inside = kept_of(j)
         y = _divide(kept[None, :], t, interpret)  # [1, W]
-        top, mass = block_mass(jnp.where(inside[None, :] & ~jnp.isnan(y), y, -jnp.inf))  # [1]
-        score = block_log_mass(top, mass) - _noise(k0, k1, jnp.full((1,), j, jnp.uint32), BLOCK_NOISE, interpret)
+        _, score = _block_score(y, inside[None, :], k0, k1, jnp.full((1,), j, jnp.uint32), interpret)  # [1]
         better = score > best[0]  # blocks in order: on a tie the lower one stays
         return jnp.where(better, score, best[0]), jnp.where(better, j, best[1])
 
