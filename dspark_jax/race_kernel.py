@@ -24,7 +24,8 @@ out (race blocks per block program, warps per program of either kernel) is a
 ``p·P … p·P + P − 1`` as one ``[P, W]`` tile, its loads and stores masked past ``V``.
 
 Same maths as :func:`dspark_jax.sampling.sample_step`, operation for operation (float32,
-``exp`` through libdevice as XLA does, the division rounded to nearest as XLA's, the block
+``exp`` through libdevice as XLA does, ``logits / T`` as the product with
+:func:`~dspark_jax.sampling.inverse_temperatures`, computed by XLA before the kernels, the block
 mass summed exactly as integers; ties to the lowest token id, NaN as ``-inf``), so the kernel
 and the XLA sampler pick the same tokens from the same keys (tested through the Pallas
 interpreter; on the H200 against the XLA sampler, see README).
@@ -56,6 +57,7 @@ from dspark_jax.sampling import (
     _log_exponential,
     block_log_mass,
     block_mass,
+    inverse_temperatures,
     mul_hi_lo,
     philox4x32,
     race_width,
@@ -176,23 +178,6 @@ def _noise(k0: jax.Array, k1: jax.Array, counter: jax.Array, domain: int, interp
     return _log_exponential(philox4x32(k0, k1, (counter, domain, 0, 0), mul=mul)[0])
 
 
-def _divide(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
-    """``x / t`` rounded to nearest (Triton's own float32 division is approximate; XLA's is not)."""
-    t = jnp.broadcast_to(t, x.shape)
-    if interpret:
-        return x / t
-    from jax.experimental.pallas import triton as plgpu
-
-    [out] = plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[x, t],
-        constraints="=f,f,f",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
-    )
-    return out
-
-
 def _tile(base_ref, bias_ref, corrected_ref, b, step, *, vocab, width, per_program):
     """Program ``(b, p)``'s tokens: ``(summed, kept, index, owned)``, each ``[W]`` for one block
     per program or ``[P, W]`` for ``P`` (blocks ``p·P … p·P + P − 1``); the corrected logits
@@ -226,11 +211,13 @@ def _tile(base_ref, bias_ref, corrected_ref, b, step, *, vocab, width, per_progr
     return summed.reshape(shape), kept.reshape(shape), index.reshape(shape), owned.reshape(shape)
 
 
-def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, vocab, width, per_program, interpret):
+def _kernel(
+    step_ref, inverse_t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, vocab, width, per_program, interpret
+):
     """Program ``(b, p)``: race blocks ``p·P … p·P + P − 1`` of row ``b`` (``P = per_program``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``t``, ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base`` ``[B, γ, V]``, ``bias``
+    ``inverse_t`` (``1/T``), ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base`` ``[B, γ, V]``, ``bias``
     ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the outputs:
     corrected logits ``[B, γ, V]``, each block's score and token ``[1, P]`` each (a greedy
     row: its best float32 logit and the lowest id holding it; a sampling row: its score in the
@@ -254,7 +241,7 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
         return top, jnp.where(owned & (x == best), index, NO_ID).min(-1)
 
     def sampled():  # on the kept values: q = softmax(kept / T) is the law of the pick
-        x = _divide(kept.astype(jnp.float32), t_ref[b], interpret)
+        x = kept.astype(jnp.float32) * inverse_t_ref[b]
         top, mass = block_mass(jnp.where(owned & ~jnp.isnan(x), x, -jnp.inf))
         noise = _noise(words_ref[b, step, 0], words_ref[b, step, 1], block.astype(jnp.uint32), BLOCK_NOISE, interpret)
         score = block_log_mass(top, mass) - noise
@@ -269,7 +256,9 @@ def _kernel(step_ref, t_ref, greedy_ref, words_ref, base_ref, bias_ref, *refs, v
         token_ref[...] = token.reshape(1, per_program)
 
 
-def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, base_ref, bias_ref, out_ref, **static):
+def _pick_kernel(
+    step_ref, inverse_t_ref, greedy_ref, words_ref, score_ref, token_ref, base_ref, bias_ref, out_ref, **static
+):
     """Program ``b``: row ``b``'s token from its blocks' ``(score, token)``, ``[B, S]`` each with
     ``S`` a power of two ``≥ NB`` (columns from ``NB`` on unwritten or past ``V``, masked), as
     :func:`dspark_jax.sampling.race_blocks` picks it: the block with the best score, then the
@@ -295,7 +284,7 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, b
         summed = base_ref[b, step, at].astype(jnp.float32) + bias_ref[b, at].astype(jnp.float32)  # [W]
         kept = summed.astype(base_ref.dtype).astype(jnp.float32)
         ids = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-        raced = _divide(kept, t_ref[b], interpret) - _noise(k0, k1, ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
+        raced = kept * inverse_t_ref[b] - _noise(k0, k1, ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
         raced = jnp.where((ids >= first) & ~jnp.isnan(raced), raced, -jnp.inf)
         return jnp.where(raced == raced.max(), ids, NO_ID).min()
 
@@ -358,10 +347,10 @@ def race_step(
             f"{base.shape} {base.dtype} (the corrected logits are kept in the base logits' dtype)"
         )
     step = jnp.asarray(step, jnp.int32)
-    t = temperatures.astype(jnp.float32)
+    inverse_t = inverse_temperatures(temperatures)  # logits / T is logits · RN(1/T), as in XLA's sampler
     words = key_words.astype(jnp.uint32)
     in_specs = [_whole(shape) for shape in ((1,), (batch,), (batch,), words.shape, base.shape, bias.shape)]
-    args = [jnp.reshape(step, (1,)), t, greedy.astype(jnp.int32), words, base, bias]
+    args = [jnp.reshape(step, (1,)), inverse_t, greedy.astype(jnp.int32), words, base, bias]
     aliases = {}
     if corrected is not None:
         in_specs.append(_whole(corrected.shape))
@@ -386,7 +375,7 @@ def race_step(
         **triton_params(tuning.warps, 1, interpret),
     )(*args)
     pick = functools.partial(_pick_kernel, vocab=vocab, width=width, blocks=blocks, interpret=interpret)
-    blocks_in = [args[0], t, args[2], words, score, token, base, bias]
+    blocks_in = [args[0], inverse_t, args[2], words, score, token, base, bias]
     tokens = pl.pallas_call(
         pick,
         grid=(batch,),

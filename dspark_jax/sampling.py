@@ -4,7 +4,11 @@ Shape legend: B batch rows, V vocabulary.
 
 A row is greedy when its ``top_k <= 1`` or its temperature is 0; otherwise it samples
 from ``q = softmax(logits / T)`` (``T`` clamped below at :data:`MIN_TEMPERATURE`; top-k is
-never applied to the draft, ``DSPARK_SPEC.md`` §3).
+never applied to the draft, ``DSPARK_SPEC.md`` §3). In float32 ``logits / T`` is
+``logits · RN(1/T)``, one rounded reciprocal per row then a product
+(:func:`inverse_temperatures`), everywhere: the XLA sampler, the GPU kernels and the acceptance
+test (XLA compiles a division by a broadcast temperature into that product itself; README note
+92).
 
 Sampling is the exponential race: with ``E_v ~ Exp(1)`` i.i.d., the token
 ``argmax_v q_v / E_v`` is distributed as ``q``. In log form, ``argmax_v (logits_v / T -
@@ -174,6 +178,20 @@ def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
 def clamp_temperatures(temperatures: jax.Array) -> jax.Array:
     """``[B]`` float32 temperatures clamped below at :data:`MIN_TEMPERATURE`."""
     return jnp.maximum(jnp.asarray(temperatures, jnp.float32), MIN_TEMPERATURE)
+
+
+def inverse_temperatures(temperatures: jax.Array) -> jax.Array:
+    """``RN(1/T)`` in float32, ``temperatures``' shape (clamped ones): what logits are multiplied
+    by wherever ``logits / T`` is formed (the samplers, the race kernels, the acceptance test's
+    ``p`` and ``q``).
+
+    XLA compiles ``x / T`` with ``T`` broadcast over the vocabulary as ``x · RN(1/T)`` (its
+    algebraic simplifier: often one unit in the last place from ``RN(x / T)``, and ``inf`` a
+    little below ``RN(x / T)``'s overflow threshold; README note 92). Writing the product out
+    keeps every path on those same float32 values whatever XLA's passes do, and lets the GPU
+    kernels multiply instead of divide.
+    """
+    return 1.0 / jnp.asarray(temperatures, jnp.float32)
 
 
 def greedy_step(logits: jax.Array) -> jax.Array:
@@ -400,7 +418,7 @@ def race_blocks(
     top: jax.Array,
     mass: jax.Array,
     words: jax.Array,
-    t: jax.Array,
+    inverse_t: jax.Array,
     vocab: int,
     window: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
@@ -409,7 +427,7 @@ def race_blocks(
     Args:
       top, mass: float32 ``[B, NB]`` (:func:`block_mass` of each block's ``kept / T``).
       words: ``uint32 [B, 2]`` the rows' key words.
-      t: ``[B, 1]`` clamped temperatures.
+      inverse_t: ``[B, 1]`` :func:`inverse_temperatures` of the clamped temperatures.
       vocab: ``V``.
       window: ``window(start [B]) -> [B, W]``, the kept logits (float32) of tokens
         ``start … start + W − 1`` of each row.
@@ -423,7 +441,7 @@ def race_blocks(
     first = block * width
     start = jnp.minimum(first, vocab - width)  # the last block's window ends at V
     tokens = start[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
-    raced = window(start) / t - _noise(words, tokens.astype(jnp.uint32), TOKEN_NOISE)
+    raced = window(start) * inverse_t - _noise(words, tokens.astype(jnp.uint32), TOKEN_NOISE)
     owned = tokens >= first[:, None]  # the last window's head belongs to the block before
     return argmax_lowest(jnp.where(owned & ~jnp.isnan(raced), raced, -jnp.inf), tokens)[1]
 
@@ -477,12 +495,12 @@ def sample_step(
     batch, vocab = logits.shape
     width = race_width(vocab)
     blocks = -(-vocab // width)
-    t = clamp_temperatures(temperatures)[:, None]  # [B, 1]
+    inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[:, None]  # [B, 1]
     words = _key_words(row_keys(noise_keys, batch))  # [B, 2]
     kept = logits if race_dtype is None else round_to(logits, race_dtype)  # -inf stays -inf
-    x = kept / t
+    x = kept * inverse_t  # logits / T
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # NaN (NaN logits, inf / inf) counts as -inf
     x = jnp.pad(x, ((0, 0), (0, blocks * width - vocab)), constant_values=-jnp.inf)  # the last block's tail
     top, mass = block_mass(x.reshape(batch, blocks, width))  # [B, NB]
-    sampled = race_blocks(top, mass, words, t, vocab, lambda start: _slice_rows(kept, start, width))
+    sampled = race_blocks(top, mass, words, inverse_t, vocab, lambda start: _slice_rows(kept, start, width))
     return jnp.where(greedy_mask, greedy_step(logits), sampled)

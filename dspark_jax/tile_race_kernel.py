@@ -29,11 +29,9 @@ it's race (README note 86), and keep each row's best ``(score, token or block)``
 blocks, so that they write one column each, not one per block (README note 87).
 
 Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
-the hardware's ``mul.hi``/``mul.lo``, the division rounded to nearest), with one exception that
-gives the same numbers: the blocks' scores divide by ``T`` through :func:`_quotient`
-(Markstein's correction from one reciprocal per row), which equals the rounded division
-wherever a block's top is not in :data:`QUOTIENT_BAND`; the rare rows where it is are raced
-again by the pick with the rounded division (:data:`RERACE`, README note 91). The bias is a sum over
+the hardware's ``mul.hi``/``mul.lo``; ``kept / T`` as the product with
+:func:`~dspark_jax.sampling.inverse_temperatures`, computed by XLA before the kernels, README
+note 92); the bias is a sum over
 ``r`` whose float32 order may differ from the XLA GEMM's, so, as with the greedy kernels, a
 bias can differ by one unit of the head's dtype, and the corrected logits with it (the tokens
 are raced on the corrected logits the round returns, so verification stays exact).
@@ -56,8 +54,16 @@ from dspark_jax.attention_kernel import _whole
 from dspark_jax.greedy_kernel import first_latent_rows, greedy_supported, padded_latents, padded_rows, walk_tile
 from dspark_jax.kernel_choice import KERNEL_CHOICES, check_tile_layout, env_choice, kernel_mode, triton_params
 from dspark_jax.markov import MarkovHead
-from dspark_jax.race_kernel import _divide, _noise, race_supported, step_key_words
-from dspark_jax.sampling import BLOCK_NOISE, NO_ID, TOKEN_NOISE, block_log_mass, block_mass, race_width
+from dspark_jax.race_kernel import _noise, race_supported, step_key_words
+from dspark_jax.sampling import (
+    BLOCK_NOISE,
+    NO_ID,
+    TOKEN_NOISE,
+    block_log_mass,
+    block_mass,
+    inverse_temperatures,
+    race_width,
+)
 
 TILE_RACE_ENV = "DSPARK_JAX_TILE_RACE"
 """Environment variable choosing the folded walk's step: ``auto`` (default: these kernels on GPUs
@@ -186,7 +192,7 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
     :func:`~dspark_jax.greedy_kernel.walk_tile`.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``t`` float32 ``[BR]``, ``greedy`` int32 ``[BR]``,
+    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``inverse_t`` float32 ``[BR]`` (``1/T``), ``greedy`` int32 ``[BR]``,
     ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
     ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
     and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column; a sampling
@@ -306,7 +312,7 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
     ``refs``: all of the kernel's, as :func:`_tile_kernel` lists them."""
     from jax.experimental.pallas import triton as plgpu
 
-    step_ref, _, w2_ref, t_ref, greedy_ref, words_ref, base_ref = refs[:7]
+    step_ref, _, w2_ref, inverse_t_ref, greedy_ref, words_ref, base_ref = refs[:7]
     corrected_ref = refs[-3]
     vocab = w2_ref.shape[0]
     width = race_width(vocab)
@@ -331,115 +337,25 @@ def _finish_block(acc, block, first_row, rows, refs, *, batch, interpret):
         top = x.max(axis=1)  # [rows]
         return top, jnp.where(x == top[:, None], cols[None, :], NO_ID).min(axis=1)
 
-    def sampled_part():  # the block's score in the race of kept / T, and whether to re-race the row
-        t = t_ref[here]  # [rows]
-        y = _quotient(kept.astype(jnp.float32), t[:, None], interpret)
+    def sampled_part():  # the block's score in the race of kept / T
+        y = kept.astype(jnp.float32) * inverse_t_ref[here][:, None]
+        top, mass = block_mass(jnp.where(valid & ~jnp.isnan(y), y, -jnp.inf))
         counter = jnp.full((rows,), block, jnp.uint32)
-        top, score = _block_score(y, valid, words_ref[0, step, here], words_ref[1, step, here], counter, interpret)
-        rerace = _quotient_unsure(top, t)
-        return jnp.where(rerace, jnp.inf, score), jnp.where(rerace, RERACE, block)
+        noise = _noise(words_ref[0, step, here], words_ref[1, step, here], counter, BLOCK_NOISE, interpret)
+        return block_log_mass(top, mass) - noise
 
     def some(chosen):  # any real row of this block chosen (Triton lowers no reduce_or)
         return jnp.where(real & chosen, 1, 0).max() > 0
 
-    none, blocks = jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.int32) + block
-    top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, blocks))
-    score, key = jax.lax.cond(some(~greedy), sampled_part, lambda: (none + 0, blocks))
-    return jnp.where(greedy, top, score), jnp.where(greedy, best, key)
+    none = jnp.full((rows,), -jnp.inf, jnp.float32)
+    top, best = jax.lax.cond(some(greedy), greedy_part, lambda: (none, jnp.zeros((rows,), jnp.int32) + block))
+    score = jax.lax.cond(some(~greedy), sampled_part, lambda: none + 0)
+    return jnp.where(greedy, top, score), jnp.where(greedy, best, block)
 
 
-RERACE = -1
-"""The key (token) a sampling row's block gets, with score ``+inf`` so that it wins the row's
-pick, when :func:`_quotient` may differ from ``RN(kept / T)`` there
-(:func:`_quotient_unsure`): the pick kernel then races the row's blocks again with the division
-rounded to nearest (:func:`_reraced_block`)."""
-
-QUOTIENT_BAND = (-(2.0**-80), 2.0**-50)
-"""A block's top ``max(kept / T)`` strictly between these two, or ``T`` not below
-:data:`QUOTIENT_MAX_T`, re-races the row (README note 91): outside them :func:`_quotient`'s block
-scores are exactly those of ``RN(kept / T)``."""
-
-QUOTIENT_MAX_T = 2.0**17
-"""The temperatures from which :func:`_quotient` is not shown exact: such rows are re-raced."""
-
-
-def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-    """``RN(a·b + c)`` in float32, one rounding (PTX ``fma.rn``), operands broadcast together."""
-    from jax.experimental.pallas import triton as plgpu
-
-    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
-    [out] = plgpu.elementwise_inline_asm(
-        "fma.rn.f32 $0, $1, $2, $3;",
-        args=[jnp.broadcast_to(u, shape) for u in (a, b, c)],
-        constraints="=f,f,f,f",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
-    )
-    return out
-
-
-def _quotient(x: jax.Array, t: jax.Array, interpret: bool) -> jax.Array:
-    """``x / t`` for the blocks' race: ``x`` float32 ``[rows, W]``, ``t`` ``[rows, 1]`` > 0.
-
-    On GPUs by Markstein's correction from one reciprocal per row, not a correctly rounded
-    division per token (whose reciprocal runs on the SMs' special-function units, a quarter of
-    the float32 rate): with ``y = RN(1/t)/4``, ``q = RN(x·y)``, ``r = fma(−4t, q, x)`` and
-    ``RN(x/t) = 4·fma(r, y, q)``. Computing ``x/(4t)`` and scaling back makes an ``x/t`` near the
-    float32 overflow round as the division does (``x·RN(1/t)`` alone can overflow there); an
-    infinite or NaN ``x`` keeps ``q``. Checked in exact rational arithmetic (README note 91, and
-    ``test_markstein_quotient_is_the_rounded_division_in_exact_arithmetic``): equal to ``RN(x/t)``
-    for every bf16 ``x`` tried with ``2⁻⁹⁸ ≤ |x|`` (overflow included) and ``t`` in
-    ``[2⁻¹⁷, 2¹⁷)``; for smaller ``|x|`` it may differ, but both stay below ``2⁻⁸¹`` in size.
-    So a block's mass and top are exactly ``RN(x/t)``'s unless its top lies in
-    :data:`QUOTIENT_BAND` (where those tiny quotients can count) or ``t`` is out of that range:
-    :func:`_quotient_unsure` flags those rows, and the pick races them again with the division.
-    The interpreter divides.
-    """
-    if interpret:
-        return _divide(x, t, interpret)
-    quarter = _divide(t * 0.0 + 1.0, t, interpret) * 0.25  # t's shape; no constant operand (jax 0.11)
-    q = x * quarter
-    res = _fma(_fma(t * -4.0, q, x), quarter, q)
-    return jnp.where(jnp.isnan(res), q, res) * 4.0
-
-
-def _quotient_unsure(top: jax.Array, t: jax.Array) -> jax.Array:
-    """Bool, ``top``'s and ``t``'s shape broadcast: the blocks whose top ``top`` (of
-    :func:`_quotient`'s values) or row temperature ``t`` fall where :func:`_quotient` is not shown
-    exact (:data:`QUOTIENT_BAND`, :data:`QUOTIENT_MAX_T`; a NaN ``t`` too)."""
-    low, high = QUOTIENT_BAND
-    return ((top > low) & (top < high)) | ~(t < QUOTIENT_MAX_T)
-
-
-def _block_score(y, inside, k0, k1, counter, interpret):
-    """A race block's ``(top, score)``, float32 ``[rows]``, from its quotients ``kept / T``
-    ``y [rows, W]`` (tokens outside ``inside`` and NaN count as ``-inf``): the top and
-    ``log p_S − log E_S`` (:func:`~dspark_jax.sampling.block_log_mass` of
-    :func:`~dspark_jax.sampling.block_mass`, the noise drawn at ``counter``, the block's index,
-    from the rows' key words ``k0, k1``)."""
-    top, mass = block_mass(jnp.where(inside & ~jnp.isnan(y), y, -jnp.inf))
-    return top, block_log_mass(top, mass) - _noise(k0, k1, counter, BLOCK_NOISE, interpret)
-
-
-def _reraced_block(kept_of, t, k0, k1, blocks, interpret):
-    """A re-raced row's block (:data:`RERACE`), int32 scalar: each of its ``blocks`` race blocks'
-    score again with the division rounded to nearest, the best one (the lowest on a tie, as the
-    blocks' race takes it). ``kept_of(j)`` gives block ``j``'s corrected logits ``[W]`` float32
-    and which of them are inside the vocabulary; ``t`` the row's temperature, ``k0, k1`` its
-    step's key words (scalars). One block per loop step: slow, for the rare rows it serves."""
-
-    def body(j, best):
-        kept, inside = kept_of(j)
-        y = _divide(kept[None, :], t, interpret)  # [1, W]
-        _, score = _block_score(y, inside[None, :], k0, k1, jnp.full((1,), j, jnp.uint32), interpret)  # [1]
-        better = score > best[0]  # blocks in order: on a tie the lower one stays
-        return jnp.where(better, score, best[0]), jnp.where(better, j, best[1])
-
-    none = (jnp.full((1,), -jnp.inf, jnp.float32), jnp.zeros((1,), jnp.int32))
-    return jax.lax.fori_loop(0, blocks, body, none)[1].max()
-
-
-def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static):
+def _pick_kernel(
+    step_ref, inverse_t_ref, greedy_ref, words_ref, score_ref, token_ref, corrected_ref, w1_ref, *refs, **static
+):
     """Program ``b``: row ``b``'s token from the ``(score, key)`` columns of its blocks or of the
     persistent programs' bests (the best column's lowest key: a greedy row's token; a sampling
     row's block, whose tokens race, read back from the corrected logits), and row ``token`` of
@@ -457,26 +373,14 @@ def _pick_kernel(step_ref, t_ref, greedy_ref, words_ref, score_ref, token_ref, c
     top = real & (scores == scores.max())
     key = jnp.where(top, plgpu.load(token_ref.at[b, pl.ds(0, span)], mask=real, other=NO_ID), NO_ID).min()
 
-    rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-
-    def kept_of(j):  # block j's corrected logits, read back
-        inside = j * width + lanes < vocab
-        kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(j * width, width)], mask=inside, other=0)
-        return kept.astype(jnp.float32), inside
-
-    def reraced():  # RERACE: every block's score again, divided by T rounded to nearest
-        k0, k1 = words_ref[0, step, b], words_ref[1, step, b]
-        return _reraced_block(kept_of, t_ref[b], k0, k1, -(-vocab // width), interpret)
-
     def sampled():
-        block = jax.lax.cond(key == RERACE, reraced, lambda: key)
-        first = block * width
-        ids = first + lanes
+        first = key * width
+        ids = first + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
         inside = ids < vocab
+        rb = jnp.minimum(b, corrected_ref.shape[0] - 1)  # a padding row is greedy: never read
         kept = plgpu.load(corrected_ref.at[rb, step, pl.ds(first, width)], mask=inside, other=0).astype(jnp.float32)
         noise = _noise(words_ref[0, step, b], words_ref[1, step, b], ids.astype(jnp.uint32), TOKEN_NOISE, interpret)
-        raced = _divide(kept, t_ref[b], interpret) - noise
+        raced = kept * inverse_t_ref[b] - noise
         raced = jnp.where(inside & ~jnp.isnan(raced), raced, -jnp.inf)
         return jnp.where(raced == raced.max(), ids, NO_ID).min()
 
@@ -566,7 +470,8 @@ def race_tiles(
         interpret=interpret,
     )
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
-    args = [step, z, w2, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32), base]
+    inverse_t = inverse_temperatures(temperatures)  # kept / T is kept · RN(1/T), as in XLA's sampler
+    args = [step, z, w2, inverse_t, greedy.astype(jnp.int32), words.astype(jnp.uint32), base]
     aliases = {}
     if corrected is not None:
         args.append(corrected)
@@ -623,7 +528,7 @@ def pick_raced_tiles(
     span = max(16, 1 << (columns - 1).bit_length())
     kernel = functools.partial(_pick_kernel, batch=batch, span=span, interpret=interpret)
     step = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
-    args = [step, temperatures.astype(jnp.float32), greedy.astype(jnp.int32), words.astype(jnp.uint32)]
+    args = [step, inverse_temperatures(temperatures), greedy.astype(jnp.int32), words.astype(jnp.uint32)]
     args += [score, token, corrected, w1]
     tokens, e = pl.pallas_call(
         kernel,

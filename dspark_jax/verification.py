@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sampling import clamp_temperatures, greedy_rows, greedy_step
+from dspark_jax.sampling import clamp_temperatures, greedy_rows, greedy_step, inverse_temperatures
 
 if TYPE_CHECKING:
     from dspark_jax.proposal import DraftBlock
@@ -135,8 +135,8 @@ def target_probs(
     """
     extra = logits.ndim - 2
     expand = (slice(None),) + (None,) * extra
-    t = clamp_temperatures(temperatures)[expand + (None,)]
-    probs = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
+    inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[expand + (None,)]
+    probs = jax.nn.softmax(logits.astype(jnp.float32) * inverse_t, axis=-1)  # logits / T
     if filter_width == 0:
         return probs
     return apply_top_k_top_p(probs, top_k[expand], top_p[expand], width=filter_width)
@@ -253,7 +253,8 @@ def accept_with_noise(
 
     temps = clamp_temperatures(block.temperatures)
     p = target_probs(target_logits, temps, top_k, top_p, filter_width=filter_width)  # [B, T, V]
-    q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) / temps[:, None, None], axis=-1)  # [B, γ, V]
+    # [B, γ, V]: corrected / T as the draft's race formed it
+    q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) * inverse_temperatures(temps)[:, None, None], axis=-1)
     p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     sample_len = jnp.minimum(_leading_true(uniforms * q_d < p_d), cap)

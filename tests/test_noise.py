@@ -202,7 +202,7 @@ def test_row_noise_ignores_batch_size_and_other_rows():
 def reference_race(logits, temps, greedy, key_words, width) -> np.ndarray:
     """The two-level race from its equations (module docstring of ``sampling``), NumPy.
 
-    Scores ``x = logits / T`` in float32 as the sampler divides (NaN as ``-inf``), then in
+    Scores ``x = logits · RN(1/T)`` in float32 as the sampler forms ``logits / T`` (NaN as ``-inf``), then in
     float64: block ``j`` (tokens ``[jW, (j + 1)W)``) scores ``logsumexp(x_S) − log E_j``; the
     best block's tokens score ``x_v − log E_v``; greedy rows take the argmax of the logits.
     """
@@ -213,7 +213,7 @@ def reference_race(logits, temps, greedy, key_words, width) -> np.ndarray:
         if greedy[b]:
             tokens.append(int(np.where(np.isnan(logits[b]), -np.inf, logits[b]).argmax()))
             continue
-        x = logits[b] / np.maximum(temps[b], np.float32(MIN_TEMPERATURE))
+        x = logits[b] * (np.float32(1) / np.maximum(temps[b], np.float32(MIN_TEMPERATURE)))
         x = np.where(np.isnan(x), -np.inf, x).astype(np.float64)
         log_q = []
         for j in range(blocks):

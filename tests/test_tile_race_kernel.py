@@ -1,13 +1,12 @@
 """The tiled race kernels (Pallas interpreter on the CPU, compiled on GPUs) pick what the XLA sampler picks."""
 
 import dataclasses
-from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from draft_testing import planted_race_rows, tiny_round, unsure_race_rows
+from draft_testing import edge_race_rows, planted_race_rows, tiny_round
 from test_greedy_kernel import _exact_inputs, _tiny_head
 
 from dspark_jax import propose
@@ -16,9 +15,6 @@ from dspark_jax.greedy_kernel import padded_rows
 from dspark_jax.markov import markov_walk
 from dspark_jax.race_kernel import RACE_ENV
 from dspark_jax.tile_race_kernel import (
-    QUOTIENT_BAND,
-    QUOTIENT_MAX_T,
-    RERACE,
     TILE_RACE_AUTO_BATCHES,
     TILE_RACE_ENV,
     TileRaceTuning,
@@ -137,93 +133,6 @@ def test_ties_nan_and_all_minus_inf_rows():
     np.testing.assert_array_equal(np.asarray(tokens[:batch]), want)
 
 
-@pytest.mark.parametrize("programs", [0, 1])
-def test_rows_with_unsure_quotients_are_reraced_to_the_xla_samplers_tokens(programs):
-    """The rows of :func:`draft_testing.unsure_race_rows`: the unsure blocks' columns hold
-    ``(+inf, RERACE)`` and the pick races those rows again with the rounded division (on GPUs
-    the other blocks use Markstein's quotient)."""
-    base, temps, greedy, unsure = unsure_race_rows()
-    batch, _, vocab = base.shape
-    rank = 16
-    zp, w = jnp.zeros((16, rank), jnp.bfloat16), jnp.zeros((vocab, rank), jnp.bfloat16)  # no bias
-    tuning = TileRaceTuning(max_rows=16, chunk=16, programs=programs)
-    for seed in range(4):
-        keys = S.row_keys(jax.random.key(seed), batch)
-        t, g, words = padded_walk_inputs(temps, greedy, keys, 1)
-        score, token, corrected = race_tiles(
-            zp, w, base, None, t, g, words, 0, batch=batch, interpret=INTERPRET, tuning=tuning
-        )
-        rows = np.asarray(score)[:batch], np.asarray(token)[:batch]
-        if programs == 0:  # one column per block
-            np.testing.assert_array_equal(rows[1] == RERACE, unsure)
-            assert np.all(rows[0][unsure] == np.inf)
-        else:  # the one program's best: the rerace wins the row
-            np.testing.assert_array_equal(rows[1][:, 0] == RERACE, unsure.any(1))
-        tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
-        want = _sample_step(base[:, 0].astype(jnp.float32), temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
-        np.testing.assert_array_equal(np.asarray(tokens[:batch]), np.asarray(want))
-
-
-def _rn32(q: Fraction) -> Fraction:
-    """``q`` rounded to the nearest float32 (ties to even, subnormals; ``2¹²⁸`` standing for the
-    overflow to infinity), exactly."""
-    if q == 0:
-        return q
-    a = abs(q)
-    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2^(e-1) < a < 2^(e+1)
-    e = max(e - (a < Fraction(2) ** e), -126)  # floor(log2 a), the subnormals' exponent below
-    m = a * Fraction(2) ** (23 - e)
-    n = m.numerator // m.denominator
-    n += (m - n > Fraction(1, 2)) or (m - n == Fraction(1, 2) and n % 2 == 1)
-    return min(Fraction(n) / Fraction(2) ** (23 - e), Fraction(2) ** 128) * (1 if q > 0 else -1)
-
-
-def _markstein(x: Fraction, t: Fraction) -> Fraction:
-    """The tiled kernel's quotient (``tile_race_kernel._quotient``) step by step in exact
-    arithmetic, each operation rounded to float32: ``y = RN(1/t)/4``, ``q = RN(x·y)``,
-    ``r = RN(x − 4t·q)`` (an FMA), ``4·RN(q + r·y)``; an infinite ``q`` makes that NaN, and the
-    kernel keeps ``q``."""
-    inf = Fraction(2) ** 128
-    y = _rn32(1 / t) / 4
-    q = _rn32(x * y)
-    if abs(q) == inf:
-        return q
-    return max(-inf, min(inf, 4 * _rn32(q + _rn32(x - 4 * t * q) * y)))
-
-
-def test_markstein_quotient_is_the_rounded_division_in_exact_arithmetic():
-    """What the GPU kernel's block scores rest on (README note 91), checked without a GPU: for
-    bf16 ``x`` with ``2⁻⁹⁸ ≤ |x|`` (up to the overflow, which both round alike) and ``t`` in
-    ``[2⁻¹⁷, QUOTIENT_MAX_T)``, the quotient equals ``RN(x/t)``; below, both stay under ``2⁻⁸¹``,
-    which :data:`QUOTIENT_BAND` is wide enough to cover."""
-    rng = np.random.default_rng(91)
-    tiny = Fraction(2) ** -81
-    low, high = (Fraction(v) for v in QUOTIENT_BAND)
-    assert tiny < -low and tiny < high * Fraction(2) ** -24  # a tiny quotient under half an ulp of the band's top
-
-    def bf16(exponent):
-        return Fraction(int(rng.integers(128, 256)), 128) * Fraction(2) ** int(exponent) * int(rng.choice([-1, 1]))
-
-    def temperature():
-        return _rn32(Fraction(float(2.0 ** rng.uniform(-17, np.log2(QUOTIENT_MAX_T)))))
-
-    differ = 0
-    for _ in range(1500):
-        x, t = bf16(rng.integers(-98, 128)), temperature()
-        assert _markstein(x, t) == _rn32(x / t), (x, t)
-    for m in range(128, 256):  # x / t within a few float32 steps of the overflow threshold 2¹²⁸ − 2¹⁰³
-        x = Fraction(m, 128) * Fraction(2) ** 127
-        for k in range(-2, 8):  # (x·RN(1/t) alone overflows for 6 of these 1,280)
-            t = _rn32(x / (Fraction(2) ** 128 * (1 - Fraction(k, 2**25))))
-            assert _markstein(x, t) == _rn32(x / t), (x, t)
-    for _ in range(500):
-        x, t = bf16(rng.integers(-133, -98)), temperature()
-        got, want = _markstein(x, t), _rn32(x / t)
-        assert abs(got) < tiny and abs(want) < tiny, (x, t)
-        differ += got != want
-    assert differ > 0  # tiny quotients do differ: the band is needed
-
-
 def _walk_inputs(cfg, batch, seed, gamma=3):
     """Base logits and hidden states for a ``gamma``-step walk (fewer interpreted steps than the preset's γ)."""
     k = jax.random.split(jax.random.key(seed), 4)
@@ -231,6 +140,50 @@ def _walk_inputs(cfg, batch, seed, gamma=3):
     hidden = jax.random.normal(k[1], (batch, gamma, cfg.hidden_size)).astype(jnp.bfloat16)
     bonus = jax.random.randint(k[2], (batch,), 0, cfg.vocab_size)
     return base, hidden, bonus, S.row_keys(k[3], batch)
+
+
+def _block_scores(base, temps, words):
+    """The XLA sampler's blocks' race scores ``[B, NB]`` for one step: :func:`sampling.block_mass`
+    of ``kept · RN(1/T)``, ``-inf`` past ``V`` and for NaN, then :func:`sampling.block_scores`."""
+    batch, vocab = base.shape
+    width = S.race_width(vocab)
+    blocks = -(-vocab // width)
+    y = base.astype(jnp.float32) * S.inverse_temperatures(temps)[:, None]
+    y = jnp.full((batch, blocks * width), -jnp.inf).at[:, :vocab].set(jnp.where(jnp.isnan(y), -jnp.inf, y))
+    top, mass = S.block_mass(y.reshape(batch, blocks, width))
+    return np.asarray(S.block_scores(top, mass, words))
+
+
+@pytest.mark.parametrize("programs", [0, 1])
+def test_edge_rows_get_the_xla_samplers_block_scores_and_tokens(programs):
+    """The rows of :func:`draft_testing.edge_race_rows`: each sampling row's block scores (one
+    column per block) or best block (one program) are the XLA sampler's, the overflowing row's
+    ``+inf`` included, and the tokens too."""
+    base, temps, greedy = edge_race_rows()
+    batch, _, vocab = base.shape
+    rank = 16
+    zp, w = jnp.zeros((16, rank), jnp.bfloat16), jnp.zeros((vocab, rank), jnp.bfloat16)  # no bias
+    tuning = TileRaceTuning(max_rows=16, chunk=16, programs=programs)
+    sampling = ~np.asarray(greedy)
+    for seed in range(4):
+        keys = S.row_keys(jax.random.key(seed), batch)
+        t, g, words = padded_walk_inputs(temps, greedy, keys, 1)
+        score, token, corrected = race_tiles(
+            zp, w, base, None, t, g, words, 0, batch=batch, interpret=INTERPRET, tuning=tuning
+        )
+        got = np.asarray(score)[:batch][sampling], np.asarray(token)[:batch][sampling]
+        want = _block_scores(base[:, 0], temps, S._key_words(S.step_keys(keys, 0)))[sampling]
+        assert np.isinf(want[-1]).all()  # the overflowing row
+        # within a float32 step or so, should the GPU's exp and log differ from XLA's; inf where XLA's is
+        if programs == 0:  # one column per block
+            np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[1], np.broadcast_to(np.arange(want.shape[1]), want.shape))
+        else:  # the one program's best over the blocks: the highest score, the lowest block on a tie
+            np.testing.assert_allclose(got[0][:, 0], want.max(1), rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[1][:, 0], want.argmax(1))
+        tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
+        want = _sample_step(base[:, 0].astype(jnp.float32), temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
+        np.testing.assert_array_equal(np.asarray(tokens[:batch]), np.asarray(want))
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
