@@ -217,8 +217,8 @@ def _kernel(
     """Program ``(b, p)``: race blocks ``p·P … p·P + P − 1`` of row ``b`` (``P = per_program``).
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``inverse_t`` (``1/T``), ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base`` ``[B, γ, V]``, ``bias``
-    ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the outputs:
+    ``inverse_t`` (``1/T``), ``greedy`` ``[B]``, ``words`` ``uint32 [B, γ, 2]``, ``base``
+    ``[B, γ, V]``, ``bias`` ``[B, V]``, (the aliased corrected logits ``[B, γ, V]`` after step 0), then the outputs:
     corrected logits ``[B, γ, V]``, each block's score and token ``[1, P]`` each (a greedy
     row: its best float32 logit and the lowest id holding it; a sampling row: its score in the
     blocks' race, :func:`dspark_jax.sampling.block_scores` of ``block_mass(kept / T)``, and 0).

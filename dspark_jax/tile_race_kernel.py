@@ -31,10 +31,10 @@ blocks, so that they write one column each, not one per block (README note 87).
 Same maths as the XLA sampler, operation for operation (the race kernel's helpers: Philox with
 the hardware's ``mul.hi``/``mul.lo``; ``kept / T`` as the product with
 :func:`~dspark_jax.sampling.inverse_temperatures`, computed by XLA before the kernels, README
-note 92); the bias is a sum over
-``r`` whose float32 order may differ from the XLA GEMM's, so, as with the greedy kernels, a
-bias can differ by one unit of the head's dtype, and the corrected logits with it (the tokens
-are raced on the corrected logits the round returns, so verification stays exact).
+note 92); the bias is a sum over ``r`` whose float32 order may differ from the XLA GEMM's, so,
+as with the greedy kernels, a bias can differ by one unit of the head's dtype, and the corrected
+logits with it (the tokens are raced on the corrected logits the round returns, so verification
+stays exact).
 
 :func:`tile_race_supported` says when the kernel applies and :func:`use_tile_race_kernel`
 whether this trace uses it (:data:`TILE_RACE_ENV`; by default on GPU backends only, up to
@@ -192,11 +192,11 @@ def _tile_kernel(*refs, batch, rows, chunk, alternate, interpret):
     :func:`~dspark_jax.greedy_kernel.walk_tile`.
 
     Refs: ``step`` ``[1]`` (an operand, so that the γ steps share one compiled kernel),
-    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``inverse_t`` float32 ``[BR]`` (``1/T``), ``greedy`` int32 ``[BR]``,
-    ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased corrected logits
-    ``[B, γ, V]`` after step 0), then the outputs: corrected logits ``[B, γ, V]``, ``score``
-    and ``token`` ``[BR, NB]`` (this program writes its rows of the block's column; a sampling
-    row's token is the block's index).
+    ``z`` ``[BR, r]``, ``w2`` ``[V, r]``, ``inverse_t`` float32 ``[BR]`` (``1/T``), ``greedy``
+    int32 ``[BR]``, ``words`` ``uint32 [2, γ, BR]``, ``base`` ``[B, γ, V]``, (the aliased
+    corrected logits ``[B, γ, V]`` after step 0), then the outputs: corrected logits
+    ``[B, γ, V]``, ``score`` and ``token`` ``[BR, NB]`` (this program writes its rows of the
+    block's column; a sampling row's token is the block's index).
 
     With one real row (``batch`` 1) the program takes that row out of the tensor cores' 16-row
     tile and finishes it alone (the padding rows get score ``-inf`` and token 0), so the

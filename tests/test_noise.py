@@ -202,9 +202,10 @@ def test_row_noise_ignores_batch_size_and_other_rows():
 def reference_race(logits, temps, greedy, key_words, width) -> np.ndarray:
     """The two-level race from its equations (module docstring of ``sampling``), NumPy.
 
-    Scores ``x = logits · RN(1/T)`` in float32 as the sampler forms ``logits / T`` (NaN as ``-inf``), then in
-    float64: block ``j`` (tokens ``[jW, (j + 1)W)``) scores ``logsumexp(x_S) − log E_j``; the
-    best block's tokens score ``x_v − log E_v``; greedy rows take the argmax of the logits.
+    Scores ``x = logits · RN(1/T)`` in float32 as the sampler forms ``logits / T`` (NaN as
+    ``-inf``), then in float64: block ``j`` (tokens ``[jW, (j + 1)W)``) scores
+    ``logsumexp(x_S) − log E_j``; the best block's tokens score ``x_v − log E_v``; greedy rows
+    take the argmax of the logits.
     """
     batch, vocab = logits.shape
     blocks = -(-vocab // width)

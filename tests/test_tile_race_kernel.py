@@ -133,15 +133,6 @@ def test_ties_nan_and_all_minus_inf_rows():
     np.testing.assert_array_equal(np.asarray(tokens[:batch]), want)
 
 
-def _walk_inputs(cfg, batch, seed, gamma=3):
-    """Base logits and hidden states for a ``gamma``-step walk (fewer interpreted steps than the preset's γ)."""
-    k = jax.random.split(jax.random.key(seed), 4)
-    base = (2 * jax.random.normal(k[0], (batch, gamma, cfg.vocab_size))).astype(jnp.bfloat16)
-    hidden = jax.random.normal(k[1], (batch, gamma, cfg.hidden_size)).astype(jnp.bfloat16)
-    bonus = jax.random.randint(k[2], (batch,), 0, cfg.vocab_size)
-    return base, hidden, bonus, S.row_keys(k[3], batch)
-
-
 def _block_scores(base, temps, words):
     """The XLA sampler's blocks' race scores ``[B, NB]`` for one step: :func:`sampling.block_mass`
     of ``kept · RN(1/T)``, ``-inf`` past ``V`` and for NaN, then :func:`sampling.block_scores`."""
@@ -184,6 +175,15 @@ def test_edge_rows_get_the_xla_samplers_block_scores_and_tokens(programs):
         tokens, _ = pick_raced_tiles(score, token, corrected, w, t, g, words, 0, batch=batch, interpret=INTERPRET)
         want = _sample_step(base[:, 0].astype(jnp.float32), temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
         np.testing.assert_array_equal(np.asarray(tokens[:batch]), np.asarray(want))
+
+
+def _walk_inputs(cfg, batch, seed, gamma=3):
+    """Base logits and hidden states for a ``gamma``-step walk (fewer interpreted steps than the preset's γ)."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    base = (2 * jax.random.normal(k[0], (batch, gamma, cfg.vocab_size))).astype(jnp.bfloat16)
+    hidden = jax.random.normal(k[1], (batch, gamma, cfg.hidden_size)).astype(jnp.bfloat16)
+    bonus = jax.random.randint(k[2], (batch,), 0, cfg.vocab_size)
+    return base, hidden, bonus, S.row_keys(k[3], batch)
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
