@@ -499,7 +499,7 @@ def sample_step(
     words = _key_words(row_keys(noise_keys, batch))  # [B, 2]
     kept = logits if race_dtype is None else round_to(logits, race_dtype)  # -inf stays -inf
     x = kept * inverse_t  # logits / T
-    x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # NaN (NaN logits, inf / inf) counts as -inf
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # NaN (NaN logits; inf · 0 if 1/T flushed to 0) counts as -inf
     x = jnp.pad(x, ((0, 0), (0, blocks * width - vocab)), constant_values=-jnp.inf)  # the last block's tail
     top, mass = block_mass(x.reshape(batch, blocks, width))  # [B, NB]
     sampled = race_blocks(top, mass, words, inverse_t, vocab, lambda start: _slice_rows(kept, start, width))
