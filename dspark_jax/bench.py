@@ -69,9 +69,6 @@ from dspark_jax.tile_race_kernel import TILE_RACE_CHOICES, TILE_RACE_ENV, tile_r
 
 MODES = ("greedy", "mixed", "sampling")
 PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "proposer_device", "eager")
-WAITED_ROUNDS = 10
-"""Rounds in which :func:`bench_propose` interleaves a batch's waited calls (:func:`time_calls`,
-README note 93): 10 calls per path, mode and round at 100 iterations."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,14 +258,11 @@ def floor_ms(cost: dict[str, float], bandwidth: float, flop_rate: float) -> tupl
 
 
 # --------------------------------------------------------------------------- timing
-def _time_samples(
-    fn: Callable[[], Any], *, iters: int, warmup: int, idle_s: float = 0.0, waited: bool = True, rest: bool = True
-) -> dict[str, list[float]]:
-    """Raw wall times (ms) of ``fn()`` for :func:`time_call`: with ``waited``, ``latency`` and
-    ``dispatch`` per call waited for on its own; with ``rest``, ``pipelined`` one total over
-    ``iters`` calls dispatched back to back (``pipelined_calls`` of them), ``released`` and
-    ``spin`` per call, and with ``idle_s`` > 0 ``idle`` per call waited for after ``idle_s``
-    seconds of sleep.
+def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int, idle_s: float = 0.0) -> dict[str, list[float]]:
+    """Raw wall times (ms) of ``fn()`` for :func:`time_call`: ``latency`` and ``dispatch`` per
+    call waited for on its own, ``pipelined`` one total over ``iters`` calls dispatched back to
+    back (``pipelined_calls`` of them), ``released`` and ``spin`` per call, and with ``idle_s``
+    > 0 ``idle`` per call waited for after ``idle_s`` seconds of sleep.
 
     Raises:
       ValueError: ``idle_s`` is negative (or NaN).
@@ -278,15 +272,13 @@ def _time_samples(
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times, dispatch = [], []
-    for _ in range(iters if waited else 0):
+    for _ in range(iters):
         t0 = time.perf_counter()
         out = fn()
         t1 = time.perf_counter()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3)
         dispatch.append((t1 - t0) * 1e3)
-    if not rest:
-        return {"latency": times, "dispatch": dispatch}
     t0 = time.perf_counter()
     for _ in range(iters):
         out = fn()  # in-order execution: the last result ready means all are done
@@ -311,7 +303,8 @@ def _time_samples(
         idle.append((time.perf_counter() - t0) * 1e3)
     del out
     return {
-        **({"latency": times, "dispatch": dispatch} if waited else {}),
+        "latency": times,
+        "dispatch": dispatch,
         "pipelined": [pipelined],
         "pipelined_calls": [iters],
         "released": released,
@@ -378,12 +371,7 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3, idle_s: flo
 
 
 def time_calls(
-    calls: dict[Any, Callable[[], Any]],
-    *,
-    iters: int,
-    rounds: int = 3,
-    waited_rounds: int | None = None,
-    idle_s: float = 0.0,
+    calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3, idle_s: float = 0.0
 ) -> dict[Any, dict[str, float]]:
     """:func:`time_call` for several calls, interleaved so that drift hits them alike.
 
@@ -394,35 +382,18 @@ def time_calls(
     round measured 5.91 and 6.05 ms (greedy), 6.71 and 6.35 ms (mixed) a minute apart in one
     process, so modes timed one after the other compared drift as much as the modes.
 
-    With ``waited_rounds`` (more than ``rounds``) the waited calls (``median_ms``,
-    ``dispatch_ms``) are timed first, on their own, in that many rounds of ``⌈iters /
-    waited_rounds⌉`` calls per call and round (the same warm-ups), and the other loops after
-    them in ``rounds`` rounds: a host that runs slower for a stretch of a second or so then
-    slows every call's waited samples alike instead of one call's (README note 93), while the
-    back-to-back loops stay long enough that their first dispatch and last wait are a small
-    part of their mean.
-
     Returns:
-      ``{name: time_call's dict}``, ``iters`` per call rounded up to a multiple of the waited
-      loop's rounds.
+      ``{name: time_call's dict}``, ``iters`` per call rounded up to a multiple of ``rounds``.
     """
-    waited_rounds = rounds if waited_rounds is None else waited_rounds
-    if rounds < 1 or iters < 1 or waited_rounds < 1:
-        raise ValueError(
-            "time_calls needs rounds >= 1, waited_rounds >= 1 and iters >= 1, "
-            f"got rounds={rounds}, waited_rounds={waited_rounds}, iters={iters}"
-        )
-    apart = waited_rounds != rounds  # the waited loop in its own rounds
+    if rounds < 1 or iters < 1:
+        raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
+    per_round = -(-iters // rounds)
     merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
-    stages = [(waited_rounds, True, False), (rounds, False, True)] if apart else [(rounds, True, True)]
-    for count, waited, rest in stages:
-        per_round = -(-iters // count)
-        for r in range(count):
-            for name, fn in calls.items():
-                warmup = 3 if r == 0 and waited else 2
-                samples = _time_samples(fn, iters=per_round, warmup=warmup, idle_s=idle_s, waited=waited, rest=rest)
-                for key, values in samples.items():
-                    merged[name].setdefault(key, []).extend(values)
+    for r in range(rounds):
+        for name, fn in calls.items():
+            samples = _time_samples(fn, iters=per_round, warmup=3 if r == 0 else 2, idle_s=idle_s)
+            for key, values in samples.items():
+                merged[name].setdefault(key, []).extend(values)
     return {name: _summary(samples) for name, samples in merged.items()}
 
 
@@ -593,7 +564,6 @@ def bench_propose(
     cuts: tuple[int | tuple[int, ...], ...] = (),
     versus: tuple[tuple[str, str], ...] = (),
     idle_ms: float = 0.0,
-    waited_rounds: int = WAITED_ROUNDS,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
@@ -621,11 +591,9 @@ def bench_propose(
     its batch and mode, from the same inputs and key (:func:`_token_parity`); the Proposer
     reads its own cache slots, so both its paths are compared with the split round run on
     those slots. With ``idle_ms`` > 0 every path is also timed with that much idle before each
-    call (``idle_median_ms``, :func:`time_call`). The waited calls are interleaved in
-    ``waited_rounds`` rounds, the other loops in 3 (:func:`time_calls`). Where the GPU's
-    driver answers NVML, each row's ``board`` says what the board did while its batch was
-    timed (:meth:`~dspark_jax.gpu_power.PowerSampler.summary`: SM clock, power, power-cap
-    share).
+    call (``idle_median_ms``, :func:`time_call`). Where the GPU's driver answers NVML, each
+    row's ``board`` says what the board did while its batch was timed
+    (:meth:`~dspark_jax.gpu_power.PowerSampler.summary`: SM clock, power, power-cap share).
 
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
@@ -730,7 +698,6 @@ def bench_propose(
                 {i: call for i, (_, call) in enumerate(pending)},
                 iters=iters,
                 rounds=min(3, iters),
-                waited_rounds=min(max(3, waited_rounds), iters),
                 idle_s=idle_ms / 1e3,
             )
         board = sampler.summary()
@@ -1476,13 +1443,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time each path with this many ms of idle before each call (column idle; default 0: not timed): "
         "the latency when the board's power cap does not hold its clock down",
     )
-    parser.add_argument(
-        "--waited-rounds",
-        type=int,
-        default=WAITED_ROUNDS,
-        help=f"rounds the waited calls of a batch's paths and modes are interleaved in (default {WAITED_ROUNDS}; "
-        "3 or fewer: with the other loops, as before README note 93)",
-    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
@@ -1503,7 +1463,6 @@ def run(args: argparse.Namespace) -> int:
         ("--iters", iters),
         ("--max-batch", args.max_batch or 1),
         ("--compile-workers", args.compile_workers),
-        ("--waited-rounds", args.waited_rounds),
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
@@ -1531,7 +1490,6 @@ def run(args: argparse.Namespace) -> int:
             "jax": jax.__version__,
             "awake_spinners": len(host_cpus()) if args.awake else 0,
             "idle_ms": args.idle_ms,
-            "waited_rounds": args.waited_rounds,
         }
     }
 
@@ -1618,7 +1576,6 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         cuts=args.cuts,
         versus=args.versus,
         idle_ms=args.idle_ms,
-        waited_rounds=args.waited_rounds,
     )
     _save(args.out, result)
     if args.walk:

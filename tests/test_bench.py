@@ -355,32 +355,8 @@ def test_time_calls_interleaves_rounds_and_merges_their_samples():
     for stats in got.values():
         assert stats["iters"] == 6
         assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"] and stats["pipelined_ms"] > 0
-    with pytest.raises(ValueError, match="got rounds=0, waited_rounds=0, iters=5"):
+    with pytest.raises(ValueError, match="rounds >= 1 and iters >= 1, got rounds=0"):
         bench.time_calls({"a": make("a")}, iters=5, rounds=0)
-    with pytest.raises(ValueError, match="waited_rounds >= 1 .* got rounds=3, waited_rounds=0, iters=5"):
-        bench.time_calls({"a": make("a")}, iters=5, waited_rounds=0)
-
-
-def test_time_calls_interleaves_the_waited_calls_in_their_own_rounds():
-    """With more waited rounds the waited calls come first, in finer turns; the back-to-back
-    loops follow in the coarser rounds; the statistics cover every round's samples."""
-    order = []
-
-    def make(name):
-        def call():
-            order.append(name)
-            return np.zeros(1)
-
-        return call
-
-    got = bench.time_calls({"a": make("a"), "b": make("b")}, iters=6, rounds=2, waited_rounds=3)
-    # waited: 3 rounds of 2 calls (3 warm-ups in the first round, then 2)
-    waited = ["a"] * (3 + 2) + ["b"] * (3 + 2) + (["a"] * (2 + 2) + ["b"] * (2 + 2)) * 2
-    # then 2 rounds of 2 warm-ups and 3 calls of each of the pipelined, released and spin loops
-    assert order == waited + (["a"] * (2 + 9) + ["b"] * (2 + 9)) * 2
-    for stats in got.values():
-        assert stats["iters"] == 6  # the waited samples of all three rounds
-        assert stats["pipelined_ms"] > 0 and stats["spin_median_ms"] > 0
 
 
 def test_table_states_the_gate_prediction_against_the_measured_peak():
