@@ -269,8 +269,12 @@ def _time_samples(fn: Callable[[], Any], *, iters: int, warmup: int, idle_s: flo
     """
     if not idle_s >= 0:
         raise ValueError(f"idle_s={idle_s!r} is invalid: must be a number of seconds >= 0")
+    out = None
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        # the previous result held during each call, as in the waited loop next: XLA records
+        # each program's CUDA graphs for that allocation pattern here, not in the loop's first
+        # calls (README note 93: two graph updates, 0.1-0.3 ms each, at its second and third)
+        out = jax.block_until_ready(fn())
     times, dispatch = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -376,8 +380,9 @@ def time_calls(
     """:func:`time_call` for several calls, interleaved so that drift hits them alike.
 
     Each of ``rounds`` rounds times every call in turn for ``⌈iters / rounds⌉`` calls of each
-    of :func:`time_call`'s loops (3 warm-up calls in the first round, then 2: one for each
-    twin program whose CUDA graph the other calls' allocations may have made stale), and the
+    of :func:`time_call`'s loops (3 warm-up calls in every round: the other calls'
+    allocations may have made the CUDA graphs of this call's programs stale, and on the H200 a
+    split round with twin programs updated them in its first 3 calls, README note 93), and the
     statistics come from all rounds' samples together. Why: on the H200 the same batch-128
     round measured 5.91 and 6.05 ms (greedy), 6.71 and 6.35 ms (mixed) a minute apart in one
     process, so modes timed one after the other compared drift as much as the modes.
@@ -389,9 +394,9 @@ def time_calls(
         raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
     per_round = -(-iters // rounds)
     merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
-    for r in range(rounds):
+    for _ in range(rounds):
         for name, fn in calls.items():
-            samples = _time_samples(fn, iters=per_round, warmup=3 if r == 0 else 2, idle_s=idle_s)
+            samples = _time_samples(fn, iters=per_round, warmup=3, idle_s=idle_s)
             for key, values in samples.items():
                 merged[name].setdefault(key, []).extend(values)
     return {name: _summary(samples) for name, samples in merged.items()}
