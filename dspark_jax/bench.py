@@ -352,7 +352,9 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3, idle_s: float = 0.0) -> dict[str, float]:
+def time_call(
+    fn: Callable[[], Any], *, iters: int, warmup: int = 3, idle_s: float = 0.0, samples: bool = False
+) -> dict[str, Any]:
     """Wall time (ms) of ``fn()``: each call alone, and back to back.
 
     Returns:
@@ -369,14 +371,16 @@ def time_call(fn: Callable[[], Any], *, iters: int, warmup: int = 3, idle_s: flo
       by default) instead of ``jax.block_until_ready``; with ``idle_s`` > 0,
       ``idle_median_ms``, the median of calls each made after ``idle_s`` seconds of sleep (the
       device idle too, so that its clock is not held down by the board's power cap, README note
-      84); ``iters``.
+      84); ``iters``; with ``samples``, ``samples``: the raw wall times behind them
+      (:func:`pool_samples` merges several processes' rows).
     """
-    return _summary(_time_samples(fn, iters=iters, warmup=warmup, idle_s=idle_s))
+    raw = _time_samples(fn, iters=iters, warmup=warmup, idle_s=idle_s)
+    return {**_summary(raw), **({"samples": raw} if samples else {})}
 
 
 def time_calls(
-    calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3, idle_s: float = 0.0
-) -> dict[Any, dict[str, float]]:
+    calls: dict[Any, Callable[[], Any]], *, iters: int, rounds: int = 3, idle_s: float = 0.0, samples: bool = False
+) -> dict[Any, dict[str, Any]]:
     """:func:`time_call` for several calls, interleaved so that drift hits them alike.
 
     Each of ``rounds`` rounds times every call in turn for ``⌈iters / rounds⌉`` calls of each
@@ -388,7 +392,8 @@ def time_calls(
     process, so modes timed one after the other compared drift as much as the modes.
 
     Returns:
-      ``{name: time_call's dict}``, ``iters`` per call rounded up to a multiple of ``rounds``.
+      ``{name: time_call's dict}`` (with ``samples``, each with its raw wall times), ``iters``
+      per call rounded up to a multiple of ``rounds``.
     """
     if rounds < 1 or iters < 1:
         raise ValueError(f"time_calls needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
@@ -399,7 +404,46 @@ def time_calls(
             samples = _time_samples(fn, iters=per_round, warmup=3, idle_s=idle_s)
             for key, values in samples.items():
                 merged[name].setdefault(key, []).extend(values)
-    return {name: _summary(samples) for name, samples in merged.items()}
+    return {name: {**_summary(raw), **({"samples": raw} if samples else {})} for name, raw in merged.items()}
+
+
+def pool_samples(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One process's timing rows with every process's raw samples pooled (``--processes``).
+
+    Args:
+      runs: per process, its :func:`bench_propose` rows (the same ``(batch, mode, path)``
+        rows in each; the timed ones with their ``samples``).
+
+    Returns:
+      The first process's rows, each timed row's statistics recomputed over all processes'
+      samples (:func:`time_call`'s keys), its ``samples`` dropped and ``processes`` added: per
+      process its own ``median_ms``, ``dispatch_ms`` and ``pipelined_ms``.
+
+    Raises:
+      ValueError: a process lacks a row the first one has, or a timed row its samples.
+    """
+    pooled_rows = []
+    for row in runs[0]:
+        key = (row["batch"], row["mode"], row["path"])
+        same = []
+        for i, rows in enumerate(runs):
+            match = [r for r in rows if (r["batch"], r["mode"], r["path"]) == key]
+            if len(match) != 1:
+                raise ValueError(f"process {i} has {len(match)} rows for batch, mode, path {key}: expected 1")
+            same.append(match[0])
+        if "median_ms" not in row:  # not timed (a failed path's row, say)
+            pooled_rows.append(row)
+            continue
+        if any("samples" not in r for r in same):
+            raise ValueError(f"the rows for batch, mode, path {key} lack their samples: time them with samples=True")
+        pooled: dict[str, list[float]] = {}
+        for r in same:
+            for name, values in r["samples"].items():
+                pooled.setdefault(name, []).extend(values)
+        processes = [{k: r[k] for k in ("median_ms", "dispatch_ms", "pipelined_ms")} for r in same]
+        rest = {k: v for k, v in row.items() if k != "samples"}
+        pooled_rows.append({**rest, **_summary(pooled), "processes": processes})
+    return pooled_rows
 
 
 def measure_ceilings(nbytes: int, matmul_size: int, iters: int) -> dict[str, float]:
@@ -569,6 +613,7 @@ def bench_propose(
     cuts: tuple[int | tuple[int, ...], ...] = (),
     versus: tuple[tuple[str, str], ...] = (),
     idle_ms: float = 0.0,
+    samples: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Times ``propose`` per batch, mode and path; records peak memory per batch.
 
@@ -599,6 +644,8 @@ def bench_propose(
     call (``idle_median_ms``, :func:`time_call`). Where the GPU's driver answers NVML, each
     row's ``board`` says what the board did while its batch was timed
     (:meth:`~dspark_jax.gpu_power.PowerSampler.summary`: SM clock, power, power-cap share).
+    With ``samples`` every timed row keeps its raw wall times (``samples``, for
+    :func:`pool_samples`).
 
     Returns:
       ``(rows, memory)``: one timing row per (batch, mode, path) with its floor, and one
@@ -704,6 +751,7 @@ def bench_propose(
                 iters=iters,
                 rounds=min(3, iters),
                 idle_s=idle_ms / 1e3,
+                samples=samples,
             )
         board = sampler.summary()
         for i, (row, call) in enumerate(pending):
@@ -732,7 +780,13 @@ def bench_propose(
 
             parity = _token_parity(reference, mode, "eager", call_eager())
             rows.append(
-                {"batch": batch, "mode": mode, "path": "eager", **time_call(call_eager, iters=eager_iters), **parity}
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "path": "eager",
+                    **time_call(call_eager, iters=eager_iters, samples=samples),
+                    **parity,
+                }
             )
         memory.append(mem_row)
         inp.clear()  # frees this batch's cache before the next batch's is built
@@ -1173,6 +1227,11 @@ def format_table(result: dict[str, Any]) -> str:
     meta = result.get("meta", {})
     if meta.get("awake_spinners"):
         lines.append(f"host: timed with {meta['awake_spinners']} spinners at nice 19 keeping the CPUs awake (--awake)")
+    if meta.get("processes", 1) > 1:
+        lines.append(
+            f"timed in {meta['processes']} fresh processes one after another, every call's samples pooled "
+            "(--processes; each process's own medians: the JSON rows' processes)"
+        )
     if "attention" in meta:
         kernel = "fused Pallas kernel" if meta.get("attention_kernel") else "XLA"
         lines.append(f"draft context attention: {kernel} ({ATTENTION_ENV}={meta['attention']})")
@@ -1448,7 +1507,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time each path with this many ms of idle before each call (column idle; default 0: not timed): "
         "the latency when the board's power cap does not hold its clock down",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="time the propose paths in this many fresh processes one after another and pool every call's "
+        "samples (default 1: in this process); the host's speed can differ for one path from process to "
+        "process (README note 94); e2e, --walk and the profiles run in the first",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--timing-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--timing-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
 
@@ -1468,6 +1537,7 @@ def run(args: argparse.Namespace) -> int:
         ("--iters", iters),
         ("--max-batch", args.max_batch or 1),
         ("--compile-workers", args.compile_workers),
+        ("--processes", args.processes),
     ):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
@@ -1478,6 +1548,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} times the split paths: add split_greedy or split to --paths, or drop --{name}")
     if args.race_tunings and not args.walk:
         raise ValueError("--race-tunings is only used with --walk: add --walk, or drop --race-tunings")
+    if args.timing_child is not None:  # one of --processes' timing processes
+        return _timing_child(args, shapes, batches, iters, eager_iters)
     if args.compile_worker:
         worker = _compile_worker(
             shapes, args.max_batch or max(batches), workers=args.compile_workers, measure_memory=args.measure_memory
@@ -1495,6 +1567,7 @@ def run(args: argparse.Namespace) -> int:
             "jax": jax.__version__,
             "awake_spinners": len(host_cpus()) if args.awake else 0,
             "idle_ms": args.idle_ms,
+            "processes": args.processes,
         }
     }
 
@@ -1514,8 +1587,11 @@ def run(args: argparse.Namespace) -> int:
             _save(args.out, result)
             # The timed programs below load what the compile runs stored.
             jax.config.update("jax_compilation_cache_dir", cache_dir)
-        with awake():
-            _measure(args, shapes, batches, iters, eager_iters, result)
+        if args.processes > 1:
+            _measure_in_processes(args, cache_dir, result)
+        else:
+            with awake():
+                _measure(args, shapes, batches, iters, eager_iters, result)
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -1538,7 +1614,42 @@ def _save(path: str | None, result: dict[str, Any]) -> None:
             json.dump(result, f, indent=1)
 
 
-def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
+def _timing_child(args, shapes, batches, iters, eager_iters) -> int:
+    """One of ``--processes``' processes: the timed stage alone (the first also runs e2e, the
+    walk and the profiles), written to ``--timing-out`` with every call's samples."""
+    first = args.timing_child == 0
+    args.e2e, args.walk, args.profile = (args.e2e and first, args.walk and first, args.profile and first)
+    args.out = None  # the parent's file: this process writes --timing-out only
+    result: dict[str, Any] = {"meta": {}}
+    with CpuAwake() if args.awake else contextlib.nullcontext():
+        _measure(args, shapes, batches, iters, eager_iters, result, samples=True)
+    with open(args.timing_out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _measure_in_processes(args, cache_dir: str, result: dict[str, Any]) -> None:
+    """``--processes N``: the timed stage in ``N`` fresh processes one after another (sharing the
+    persistent compilation cache), their samples pooled (:func:`pool_samples`); everything else
+    (ceilings, memory, e2e, the walk, the profiles, the kernel choices) from the first."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="dspark_bench_timing_") as tmp:
+        for i in range(args.processes):
+            out = os.path.join(tmp, f"process_{i}.json")
+            cmd = [sys.executable, "-m", "dspark_jax.bench", *_bench_argv(args), "--timing-child", str(i)]
+            env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir}
+            proc = subprocess.run([*cmd, "--timing-out", out], env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"timing process {i} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            with open(out) as f:
+                runs.append(json.load(f))
+    first = runs[0]
+    result["meta"].update(first["meta"])
+    result.update({k: v for k, v in first.items() if k not in ("meta", "propose")})
+    result["propose"] = pool_samples([run["propose"] for run in runs])
+
+
+def _measure(args, shapes, batches, iters, eager_iters, result, samples: bool = False) -> None:
     device = jax.devices()[0]
     cfg = draft_config(shapes)
     result["meta"].update(
@@ -1581,6 +1692,7 @@ def _measure(args, shapes, batches, iters, eager_iters, result) -> None:
         cuts=args.cuts,
         versus=args.versus,
         idle_ms=args.idle_ms,
+        samples=samples,
     )
     _save(args.out, result)
     if args.walk:

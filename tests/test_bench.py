@@ -333,6 +333,55 @@ def test_table_reports_idle_medians_and_the_board(tiny_result):
     assert "board while" not in bench.format_table(hot)
 
 
+def _timed_row(batch, path, latency, dispatch):
+    samples = {
+        "latency": latency,
+        "dispatch": dispatch,
+        "pipelined": [sum(latency) * 0.9],
+        "pipelined_calls": [len(latency)],
+        "released": latency,
+        "spin": latency,
+    }
+    return {"batch": batch, "mode": "greedy", "path": path, **bench._summary(samples), "samples": samples}
+
+
+def test_pool_samples_recomputes_each_row_over_every_process():
+    """The pooled statistics are those of all processes' samples together, not a mean of medians."""
+    a = [_timed_row(1, "split", [1.0, 1.1, 1.2], [0.3, 0.3, 0.3]), {"batch": 1, "mode": "greedy", "path": "x"}]
+    b = [_timed_row(1, "split", [2.0, 2.1, 2.2], [0.5, 0.6, 0.7]), {"batch": 1, "mode": "greedy", "path": "x"}]
+    c = [_timed_row(1, "split", [1.15, 1.16, 5.0], [0.4, 0.4, 0.4]), {"batch": 1, "mode": "greedy", "path": "x"}]
+    pooled = bench.pool_samples([a, b, c])
+    row = pooled[0]
+    everything = [1.0, 1.1, 1.2, 2.0, 2.1, 2.2, 1.15, 1.16, 5.0]
+    assert row["median_ms"] == pytest.approx(np.median(everything)) and row["iters"] == 9
+    assert row["dispatch_ms"] == pytest.approx(0.4)
+    assert row["pipelined_ms"] == pytest.approx(0.9 * sum(everything) / 9)
+    assert [p["median_ms"] for p in row["processes"]] == pytest.approx([1.1, 2.1, 1.16])
+    assert "samples" not in row and pooled[1] == a[1]  # an untimed row passes through
+    with pytest.raises(ValueError, match=r"process 1 has 0 rows for batch, mode, path \(1, 'greedy', 'split'\)"):
+        bench.pool_samples([a, b[1:]])
+    bare = [{k: v for k, v in b[0].items() if k != "samples"}]
+    with pytest.raises(ValueError, match="lack their samples"):
+        bench.pool_samples([a[:1], bare])
+
+
+def test_processes_time_the_paths_in_fresh_processes_and_pool_them(tmp_path):
+    """--processes 2: two timing processes, each row's samples pooled, their own medians kept."""
+    out = tmp_path / "p.json"
+    argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "0", "--modes", "greedy"]
+    argv += ["--paths", "split_greedy", "--no-torch", "--no-compile", "--processes", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["processes"] == 2 and result["meta"]["backend"] == "cpu"
+    (row,) = result["propose"]
+    assert row["iters"] == 4 and len(row["processes"]) == 2 and "samples" not in row
+    own = [p["median_ms"] for p in row["processes"]]  # equal-sized samples: the pooled median lies between
+    assert min(own) - 1e-9 <= row["median_ms"] <= max(own) + 1e-9
+    assert "timed in 2 fresh processes" in bench.format_table(result)
+    with pytest.raises(ValueError, match="--processes=0 is invalid: must be >= 1"):
+        bench.main(argv[:-4] + ["--processes", "0"])
+
+
 def test_idle_ms_out_of_range_is_refused():
     for value in ("-1", "2000"):
         with pytest.raises(ValueError, match=f"--idle-ms={float(value)} is invalid: must be in \\[0, 1000\\]"):
