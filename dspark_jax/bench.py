@@ -401,8 +401,7 @@ def time_calls(
     merged: dict[Any, dict[str, list[float]]] = {name: {} for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            samples = _time_samples(fn, iters=per_round, warmup=3, idle_s=idle_s)
-            for key, values in samples.items():
+            for key, values in _time_samples(fn, iters=per_round, warmup=3, idle_s=idle_s).items():
                 merged[name].setdefault(key, []).extend(values)
     return {name: {**_summary(raw), **({"samples": raw} if samples else {})} for name, raw in merged.items()}
 

@@ -419,8 +419,10 @@ def test_time_calls_interleaves_rounds_and_merges_their_samples():
     per_round = 3 + 4 * 3  # warm-up + latency, pipelined, released and spin loops
     assert order == (["a"] * per_round + ["b"] * per_round) * 2
     for stats in got.values():
-        assert stats["iters"] == 6
+        assert stats["iters"] == 6 and "samples" not in stats  # raw samples only when asked for
         assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"] and stats["pipelined_ms"] > 0
+    kept = bench.time_calls({"a": make("a")}, iters=4, rounds=2, samples=True)["a"]["samples"]
+    assert len(kept["latency"]) == 4 and len(kept["spin"]) == 4 and kept["pipelined_calls"] == [2, 2]
     with pytest.raises(ValueError, match="rounds >= 1 and iters >= 1, got rounds=0"):
         bench.time_calls({"a": make("a")}, iters=5, rounds=0)
 
