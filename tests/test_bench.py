@@ -382,6 +382,19 @@ def test_processes_time_the_paths_in_fresh_processes_and_pool_them(tmp_path):
         bench.main(argv[:-4] + ["--processes", "0"])
 
 
+def test_a_failed_timing_process_stops_the_run_with_its_error(monkeypatch, tmp_path):
+    """A timing process that exits non-zero raises RuntimeError naming it, with its stderr."""
+
+    def failing(cmd, **kwargs):
+        assert cmd[cmd.index("--timing-child") + 1] == "0" and "--timing-out" in cmd
+        return types.SimpleNamespace(returncode=3, stderr="Traceback ...\nValueError: boom")
+
+    monkeypatch.setattr(bench.subprocess, "run", failing)
+    argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "0", "--no-torch", "--no-compile"]
+    with pytest.raises(RuntimeError, match="timing process 0 failed \\(exit 3\\):\nTraceback ...\nValueError: boom"):
+        bench.main([*argv, "--processes", "2", "--out", str(tmp_path / "p.json")])
+
+
 def test_idle_ms_out_of_range_is_refused():
     for value in ("-1", "2000"):
         with pytest.raises(ValueError, match=f"--idle-ms={float(value)} is invalid: must be in \\[0, 1000\\]"):
