@@ -1179,6 +1179,12 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _process_range(row: dict[str, Any]) -> str:
+    """``lo–hi`` of a pooled row's per-process medians (``-`` for a row timed in one process)."""
+    medians = [p["median_ms"] for p in row.get("processes", [])]
+    return f"{min(medians):.3f}–{max(medians):.3f}" if medians else "-"
+
+
 def _board_lines(rows: list[dict[str, Any]]) -> list[str]:
     """One line per batch on what the GPU board did while that batch was timed (rows' ``board``)."""
     lines, seen = [], set()
@@ -1254,18 +1260,20 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"split round's backbone GEMMs: {gemms} ({BACKBONE_GEMM_ENV}={meta['backbone_gemm']})")
     torch_rows = {(r["batch"], r["mode"], r["path"]): r["median_ms"] for r in result.get("torch", {}).get("rows", [])}
     width = max([15] + [len(r["path"]) for r in result.get("propose", [])])  # the path column
+    pooled = any("processes" in r for r in result.get("propose", []))  # --processes: their medians' range
     header = (
         f"{'batch':>5} {'mode':<8} {'path':<{width}} {'median':>8} {'p90':>8} {'dispatch':>8} {'pipelined':>9} "
         f"{'released':>8} {'spin':>7} {'idle':>7} "
         f"{'floor':>7} {'bound':<5} {'x floor':>7} {'floor_copy':>10} {'torch eager':>11} {'torch graph':>11} "
-        f"{'graph/jax':>9} {'graph/spin':>10}"
+        f"{'graph/jax':>9} {'graph/spin':>10}" + (f" {'per process':>13}" if pooled else "")
     )
     lines += [
         "propose latency, ms: median and p90 of calls waited for one by one; dispatch = host time per call; "
         "pipelined = per call when dispatched back to back; released = median when the previous result is "
         "dropped before each call; spin = median when each call is waited for by polling, as "
         "torch.cuda.synchronize waits (graph/spin compares the two on that footing); idle = median when the "
-        "device idles --idle-ms before each call (its clock not held down by the board's power cap)",
+        "device idles --idle-ms before each call (its clock not held down by the board's power cap)"
+        + ("; per process = the range of the timing processes' own medians (--processes)" if pooled else ""),
         header,
         "-" * len(header),
     ]
@@ -1285,6 +1293,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(torch_rows.get((*key, 'eager')) if paired else None):>11} "
             f"{_fmt(graph):>11} {_fmt(graph / r['median_ms'] if graph else None, '.2f'):>9} "
             f"{_fmt(graph / r['spin_median_ms'] if graph and r.get('spin_median_ms') else None, '.2f'):>10}"
+            + (f" {_process_range(r):>13}" if pooled else "")
         )
     lines += _board_lines(result.get("propose", []))
     compared = [r for r in result.get("propose", []) if r.get("tokens_compared")]

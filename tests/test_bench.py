@@ -377,7 +377,9 @@ def test_processes_time_the_paths_in_fresh_processes_and_pool_them(tmp_path):
     assert row["iters"] == 4 and len(row["processes"]) == 2 and "samples" not in row
     own = [p["median_ms"] for p in row["processes"]]  # equal-sized samples: the pooled median lies between
     assert min(own) - 1e-9 <= row["median_ms"] <= max(own) + 1e-9
-    assert "timed in 2 fresh processes" in bench.format_table(result)
+    table = bench.format_table(result)
+    assert "timed in 2 fresh processes" in table and "per process" in table
+    assert f"{min(own):.3f}–{max(own):.3f}" in table  # the range of the processes' own medians
     with pytest.raises(ValueError, match="--processes=0 is invalid: must be >= 1"):
         bench.main(argv[:-4] + ["--processes", "0"])
 
