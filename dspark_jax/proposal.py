@@ -85,7 +85,7 @@ def check_shapes(
     input_embeds: Any = None,
     slots: Any = None,
 ) -> int:
-    """Checks the static shapes of a proposal's inputs (works on tracers).
+    """Checks the static shapes and dtypes of a proposal's inputs (works on tracers).
 
     Args:
       cfg: the draft config.
@@ -101,7 +101,9 @@ def check_shapes(
 
     Raises:
       ValueError: a shape does not match.
-      TypeError: ``key`` is not an allowed key.
+      TypeError: ``bonus``, ``prefix_lens``, ``top_k`` or ``slots`` is not of an integer
+        dtype, ``temperatures`` of neither a float nor an integer one, or ``key`` is not an
+        allowed key.
     """
     if not isinstance(cache, ContextCache):
         raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
@@ -127,8 +129,19 @@ def check_shapes(
         want = (batch, cfg.num_query_rows, cfg.hidden_size)
         if tuple(np.shape(input_embeds)) != want:
             raise ValueError(f"input_embeds has shape {tuple(np.shape(input_embeds))}: expected [B, R, H] = {want}")
+    for name, value in (("bonus", bonus), ("prefix_lens", prefix_lens), ("top_k", top_k), ("slots", slots)):
+        # a float token id or length would be truncated silently inside the round
+        if value is not None and not jnp.issubdtype(_dtype(value), jnp.integer):
+            raise TypeError(f"{name} has dtype {_dtype(value)}: expected an integer dtype")
+    if not (jnp.issubdtype(_dtype(temperatures), jnp.floating) or jnp.issubdtype(_dtype(temperatures), jnp.integer)):
+        raise TypeError(f"temperatures has dtype {_dtype(temperatures)}: expected a float dtype")
     key_rows(key, batch)
     return batch
+
+
+def _dtype(value: Any) -> np.dtype:
+    """``value``'s dtype: an array's or a tracer's own, a host sequence's as NumPy reads it."""
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def validate_proposal_inputs(
@@ -185,9 +198,6 @@ def validate_proposal_inputs(
         slots=slots,
     )
     ints = {"bonus": np.asarray(bonus), "prefix_lens": np.asarray(prefix_lens), "top_k": np.asarray(top_k)}
-    for name, value in ints.items():
-        if not np.issubdtype(value.dtype, np.integer):
-            raise TypeError(f"{name} has dtype {value.dtype}: expected an integer dtype")
     _check_range("bonus", ints["bonus"], 0, cfg.vocab_size - 1, f"token ids in [0, vocab_size={cfg.vocab_size})")
     room = cache.capacity - cfg.gamma
     _check_range(
@@ -205,8 +215,6 @@ def validate_proposal_inputs(
         f"in [0, {TOP_K_MAX}] (0 or 1 = greedy, TOP_K_ALL={TOP_K_ALL} = no top-k; the round reads int32)",
     )
     temps = np.asarray(temperatures)
-    if not (np.issubdtype(temps.dtype, np.floating) or np.issubdtype(temps.dtype, np.integer)):
-        raise TypeError(f"temperatures has dtype {temps.dtype}: expected a float dtype")
     # the round samples in float32: a float64 1e39 would arrive as inf
     with np.errstate(over="ignore"):
         bad = ~(np.isfinite(temps.astype(np.float32)) & (temps >= 0))
@@ -217,8 +225,6 @@ def validate_proposal_inputs(
         )
     if slots is not None:
         slots = np.asarray(slots)
-        if not np.issubdtype(slots.dtype, np.integer):
-            raise TypeError(f"slots has dtype {slots.dtype}: expected an integer dtype")
         _check_range("slots", slots, 0, cache.batch - 1, f"cache slot ids in [0, {cache.batch})")
     return batch
 

@@ -291,6 +291,29 @@ def test_cache_with_other_batch_is_rejected(small_round):
         validate_proposal_inputs(draft.cfg, small, **good)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(bonus=np.array([0.0, 1.5, 3.0, 2.0], np.float32)), "bonus has dtype float32"),
+        (dict(prefix_lens=np.array([1.0, 2.0, 3.0, 4.0], np.float32)), "prefix_lens has dtype float32"),
+        (dict(top_k=np.array([True, False, True, True])), "top_k has dtype bool"),
+        (dict(temperatures=np.array([True, False, True, True])), "temperatures has dtype bool"),
+    ],
+)
+def test_jitted_propose_refuses_wrong_dtypes_while_tracing(small_round, change, message):
+    """Under jax.jit the values cannot be read, but the dtypes are known: a float token id would
+    otherwise be truncated inside the round without a word."""
+    draft, cache, good = small_round
+    args = {**good, **{k: jnp.asarray(v) for k, v in change.items()}}
+    graphdef, state = nnx.split(draft)
+    step = jax.jit(propose, static_argnums=0)
+    with pytest.raises(TypeError, match=f"{message}: expected an? (integer|float) dtype"):
+        names = ("bonus", "prefix_lens", "temperatures", "top_k", "key")
+        step(graphdef, state, cache, *(args[n] for n in names))
+    bf16 = jnp.asarray(good["temperatures"], jnp.bfloat16)  # a float dtype NumPy does not know as one
+    assert validate_proposal_inputs(draft.cfg, cache, **{**good, "temperatures": bf16}) == 4
+
+
 def test_input_embeds_of_wrong_shape_are_rejected(small_round):
     draft, cache, good = small_round
     with pytest.raises(ValueError, match=r"input_embeds has shape \(4, 3, 32\): expected \[B, R, H\]"):
