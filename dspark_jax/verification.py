@@ -210,7 +210,7 @@ def accept(
     Returns:
       ``(correct_len [B] int32 in [0, verify_len − 1], bonus [B] int32)``.
     """
-    b, t, v = target_logits.shape
+    b, t, v = _target_shape(target_logits)
     k_u, k_e = jax.random.split(key)
     uniforms = jax.random.uniform(k_u, (b, t - 1), jnp.float32)
     exponentials = exponential_noise(k_e, (b, v))
@@ -238,7 +238,14 @@ def accept_with_noise(
     filter_width: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`accept` with its randomness supplied: ``uniforms [B, γ]`` in ``[0, 1)`` and
-    ``exponentials [B, V]`` Exp(1) noise for the bonus race (sampling rows only)."""
+    ``exponentials [B, V]`` Exp(1) noise for the bonus race (sampling rows only).
+
+    Raises:
+      ValueError: a shape does not match ``target_logits [B, γ + 1, V]`` (checked while
+        tracing, as every shape here is static).
+      TypeError: ``draft_tokens``, ``top_k`` or ``verify_len`` is not of an integer dtype.
+    """
+    _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials)
     b, t, v = target_logits.shape
     gamma = t - 1
     drafts = block.draft_tokens.astype(jnp.int32)  # [B, γ]
@@ -268,6 +275,45 @@ def accept_with_noise(
 
     greedy = block.greedy_mask
     return jnp.where(greedy, greedy_len, sample_len), jnp.where(greedy, greedy_bonus, sample_bonus)
+
+
+def _target_shape(target_logits: jax.Array) -> tuple[int, int, int]:
+    """``(B, T, V)`` of ``target_logits``, which must be ``[B, γ + 1, V]`` with ``B, γ >= 1``."""
+    shape = tuple(np.shape(target_logits))
+    if len(shape) != 3 or shape[0] < 1 or shape[1] < 2:
+        raise ValueError(f"target_logits has shape {shape}: expected [B, γ + 1, V] with B >= 1 and γ >= 1")
+    return shape
+
+
+def _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials) -> None:
+    """The static checks of :func:`accept_with_noise` (shapes and integer dtypes; see there)."""
+    b, t, v = _target_shape(target_logits)
+    gamma = t - 1
+    corrected = np.shape(block.corrected_logits)
+    if corrected not in ((b, gamma, v), (b, gamma, 0)):
+        raise ValueError(
+            f"block.corrected_logits has shape {corrected}: expected [B, γ, V] = {(b, gamma, v)} like target_logits "
+            f"[B, γ + 1, V] = {(b, t, v)}, or [B, γ, 0] for a greedy-only block"
+        )
+    expected = {
+        "block.draft_tokens": (block.draft_tokens, (b, gamma)),
+        "block.greedy_mask": (block.greedy_mask, (b,)),
+        "block.temperatures": (block.temperatures, (b,)),
+        "top_k": (top_k, (b,)),
+        "top_p": (top_p, (b,)),
+        "verify_len": (verify_len, (b,)),
+        "uniforms": (uniforms, (b, gamma)),
+        "exponentials": (exponentials, (b, v)),
+    }
+    for name, (value, shape) in expected.items():
+        if value is not None and tuple(np.shape(value)) != shape:
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} (B, γ, V of target_logits)")
+    for name, value in (("block.draft_tokens", block.draft_tokens), ("top_k", top_k), ("verify_len", verify_len)):
+        if value is None:
+            continue
+        dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"{name} has dtype {dtype}: expected an integer dtype")
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:

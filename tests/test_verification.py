@@ -228,6 +228,41 @@ def test_greedy_only_block_without_corrected_logits():
     assert (int(capped[0][0]), int(capped[1][0])) == (1, 0)
 
 
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (
+            dict(logits=np.zeros((1, 4, 3))),
+            ValueError,
+            r"block.corrected_logits has shape \(1, 2, 3\): expected .* \(1, 3, 3\)",
+        ),
+        (
+            dict(logits=np.zeros((1, 3, 5))),
+            ValueError,
+            r"block.corrected_logits has shape \(1, 2, 3\): expected .* \(1, 2, 5\)",
+        ),
+        (dict(logits=np.zeros((3, 3))), ValueError, r"target_logits has shape \(3, 3\): expected \[B, γ \+ 1, V\]"),
+        (dict(top_k=np.array([1, 1])), ValueError, r"top_k has shape \(2,\): expected \(1,\)"),
+        (dict(verify_len=np.array([[2]])), ValueError, r"verify_len has shape \(1, 1\): expected \(1,\)"),
+        (dict(drafts=np.array([[1.0, 0.0]])), TypeError, r"block.draft_tokens has dtype float32: expected an integer"),
+        (dict(top_k=np.array([1.0])), TypeError, r"top_k has dtype float32: expected an integer dtype"),
+    ],
+)
+def test_accept_refuses_mismatched_shapes_while_tracing(change, error, message):
+    """Every shape is static, so a mismatch fails while tracing, naming the field, not as a
+    broadcasting error deep inside (or a quietly clamped gather)."""
+    logits = jnp.asarray(change.get("logits", np.zeros((1, 3, 3))), jnp.float32)
+    drafts = np.asarray(change.get("drafts", np.array([[1, 0]])))
+    block = _block(drafts, np.zeros((1, 2, 3)), np.array([False]), np.array([1.0]))
+    block = block.replace(draft_tokens=jnp.asarray(drafts, jnp.float32 if drafts.dtype.kind == "f" else jnp.int32))
+    top_k = jnp.asarray(change.get("top_k", np.array([TOP_K_ALL])))
+    top_k = top_k.astype(jnp.float32 if top_k.dtype.kind == "f" else jnp.int32)
+    verify_len = jnp.asarray(change["verify_len"]) if "verify_len" in change else None
+    run = jax.jit(functools.partial(accept, top_p=jnp.asarray([1.0]), key=jax.random.key(0)))
+    with pytest.raises(error, match=message):
+        run(logits, block, top_k=top_k, verify_len=verify_len)
+
+
 def _exact_outcomes(logits, drafts, corrected, temp, k, p, cap):
     """P(correct_len = n, bonus = x) for one sampling row, by enumeration."""
     gamma, v = corrected.shape
