@@ -16,10 +16,11 @@ written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dspark_jax.config import DraftConfig
@@ -98,11 +99,30 @@ def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Arr
 
     Returns:
       The updated cache.
+
+    Raises:
+      ValueError: a shape does not match (checked while tracing: every shape is static).
     """
+    _check_features(draft.cfg, cache, features, {"start": start, "count": count})
     n = features.shape[1]
     positions = start.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)
     k, v = draft.context_kv(features, positions)
     return write_context(cache, k, v, start, count)
+
+
+def _check_features(cfg, cache: ContextCache, features: Any, rows: dict[str, Any]) -> None:
+    """``features`` must be ``[B, N, K·H]`` for the cache's ``B`` slots and the draft's ``K·H``,
+    and each of ``rows`` ``[B]``; raises ``ValueError`` naming the field otherwise."""
+    width = cfg.num_fused_layers * cfg.hidden_size
+    shape = tuple(np.shape(features))
+    if len(shape) != 3 or shape[0] != cache.batch or shape[2] != width:
+        raise ValueError(
+            f"features has shape {shape}: expected [B, N, K·H] with B={cache.batch} (the cache's request slots) and "
+            f"K·H={width} ({cfg.num_fused_layers} target layers × hidden size {cfg.hidden_size})"
+        )
+    for name, value in rows.items():
+        if tuple(np.shape(value)) != (cache.batch,):
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = ({cache.batch},)")
 
 
 def commit(
@@ -127,7 +147,16 @@ def commit(
 
     Returns:
       ``(cache, new_prefix_lens [B] int32)``.
+
+    Raises:
+      ValueError: a shape does not match (checked while tracing).
     """
+    rows = {
+        "prefix_lens": prefix_lens,
+        "correct_len": correct_len,
+        **({"active": active} if active is not None else {}),
+    }
+    _check_features(draft.cfg, cache, features, rows)
     count = correct_len.astype(jnp.int32) + 1  # [B] commit_len
     if active is not None:
         count = jnp.where(active, count, 0)
@@ -146,6 +175,10 @@ def prefill(draft: DSparkDraft, cache: ContextCache, features: jax.Array, length
 
     Returns:
       The cache; the requests' ``prefix_lens`` are ``lengths``.
+
+    Raises:
+      ValueError: a shape does not match (checked while tracing).
     """
+    _check_features(draft.cfg, cache, features, {"lengths": lengths})
     start = jnp.zeros_like(lengths, dtype=jnp.int32)
     return fill_context(draft, cache, features, start, lengths.astype(jnp.int32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dspark_jax.cache import commit, init_context_cache, prefill
@@ -75,3 +76,31 @@ def test_prefill_writes_only_the_prompt_positions():
         n = lengths[b]
         np.testing.assert_allclose(new.k[:, b, :n], k_ref[:, b, :n], atol=1e-6)
         np.testing.assert_array_equal(new.k[:, b, n:], cache.k[:, b, n:])
+
+
+@pytest.mark.parametrize(
+    ("features", "rows", "message"),
+    [
+        ((B, T, F + 1), {}, r"features has shape \(4, 4, 33\): expected \[B, N, K·H\] with B=4 .* K·H=32"),
+        ((B - 1, T, F), {}, r"features has shape \(3, 4, 32\): expected \[B, N, K·H\] with B=4"),
+        (
+            (B, T, F),
+            {"correct_len": np.zeros(B - 1, np.int32)},
+            r"correct_len has shape \(3,\): expected \[B\] = \(4,\)",
+        ),
+        ((B, T, F), {"active": np.ones((B, 1), bool)}, r"active has shape \(4, 1\): expected \[B\] = \(4,\)"),
+    ],
+)
+def test_commit_refuses_mismatched_shapes_while_tracing(features, rows, message):
+    """The shapes are static: a mismatch names its field instead of failing inside the projection."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    args = {"prefix_lens": np.zeros(B, np.int32), "correct_len": np.zeros(B, np.int32), **rows}
+    active = args.pop("active", None)
+    with pytest.raises(ValueError, match=message):
+        jax.jit(commit)(draft, _random_cache(1), jnp.zeros(features), *map(jnp.asarray, args.values()), active=active)
+
+
+def test_prefill_refuses_lengths_of_another_batch():
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"lengths has shape \(2,\): expected \[B\] = \(4,\)"):
+        prefill(draft, _random_cache(1), jnp.zeros((B, 5, F)), jnp.asarray([3, 4]))
