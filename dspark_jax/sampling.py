@@ -490,7 +490,16 @@ def sample_step(
 
     Returns:
       ``[B]`` int32 token ids.
+
+    Raises:
+      ValueError: ``logits`` is not ``[B, V]``, or ``temperatures`` or ``greedy_mask`` not ``[B]``
+        (checked while tracing; a ``[1]`` would otherwise broadcast over the rows unnoticed).
     """
+    if np.ndim(logits) != 2:
+        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V]")
+    for name, value in (("temperatures", temperatures), ("greedy_mask", greedy_mask)):
+        if tuple(np.shape(value)) != np.shape(logits)[:1]:
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = {np.shape(logits)[:1]}")
     logits = logits.astype(jnp.float32)  # [B, V]
     batch, vocab = logits.shape
     width = race_width(vocab)

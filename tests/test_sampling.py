@@ -254,6 +254,21 @@ def test_typed_keys_of_wrong_batch_raise():
         row_keys(jax.random.split(jax.random.key(0), 3), 4)
 
 
+@pytest.mark.parametrize(
+    ("logits", "temps", "greedy", "message"),
+    [
+        ((3, 8), (1,), (3,), r"temperatures has shape \(1,\): expected \[B\] = \(3,\)"),
+        ((3, 8), (3,), (3, 1), r"greedy_mask has shape \(3, 1\): expected \[B\] = \(3,\)"),
+        ((8,), (1,), (1,), r"logits has shape \(8,\): expected \[B, V\]"),
+    ],
+)
+def test_sample_step_refuses_mismatched_shapes_while_tracing(logits, temps, greedy, message):
+    """A [1] temperature would otherwise broadcast over every row without a word."""
+    step = jax.jit(S.sample_step)
+    with pytest.raises(ValueError, match=message):
+        step(jnp.zeros(logits), jnp.ones(temps), jnp.zeros(greedy, bool), jax.random.key(0))
+
+
 def test_sampling_rows_race_on_the_kept_logits_greedy_rows_take_the_float32_argmax():
     """``race_dtype``: a sampling row's law is ``softmax(kept / T)`` for the logits as kept."""
     n, v = 4000, 16
