@@ -39,6 +39,7 @@ from dspark_jax.sampling import (
     TOP_K_ALL,
     TOP_K_MAX,
     clamp_temperatures,
+    dtype_of,
     greedy_rows,
     greedy_step,
     key_rows,
@@ -131,17 +132,13 @@ def check_shapes(
             raise ValueError(f"input_embeds has shape {tuple(np.shape(input_embeds))}: expected [B, R, H] = {want}")
     for name, value in (("bonus", bonus), ("prefix_lens", prefix_lens), ("top_k", top_k), ("slots", slots)):
         # a float token id or length would be truncated silently inside the round
-        if value is not None and not jnp.issubdtype(_dtype(value), jnp.integer):
-            raise TypeError(f"{name} has dtype {_dtype(value)}: expected an integer dtype")
-    if not (jnp.issubdtype(_dtype(temperatures), jnp.floating) or jnp.issubdtype(_dtype(temperatures), jnp.integer)):
-        raise TypeError(f"temperatures has dtype {_dtype(temperatures)}: expected a float dtype")
+        if value is not None and not jnp.issubdtype(dtype_of(value), jnp.integer):
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype")
+    temps_dtype = dtype_of(temperatures)
+    if not (jnp.issubdtype(temps_dtype, jnp.floating) or jnp.issubdtype(temps_dtype, jnp.integer)):
+        raise TypeError(f"temperatures has dtype {temps_dtype}: expected a float dtype")
     key_rows(key, batch)
     return batch
-
-
-def _dtype(value: Any) -> np.dtype:
-    """``value``'s dtype: an array's or a tracer's own, a host sequence's as NumPy reads it."""
-    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def validate_proposal_inputs(

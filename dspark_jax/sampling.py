@@ -170,6 +170,12 @@ def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, jnp.asarray(step, jnp.uint32))
 
 
+def dtype_of(value: Any) -> np.dtype:
+    """``value``'s dtype: an array's or a tracer's own, a host sequence's as NumPy reads it (for
+    the static dtype checks of the jittable entry points)."""
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
 def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
     """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or temperature 0 (or below)."""
     return (jnp.asarray(top_k) <= 1) | (jnp.asarray(temperatures) <= 0)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sampling import clamp_temperatures, greedy_rows, greedy_step, inverse_temperatures
+from dspark_jax.sampling import clamp_temperatures, dtype_of, greedy_rows, greedy_step, inverse_temperatures
 
 if TYPE_CHECKING:
     from dspark_jax.proposal import DraftBlock
@@ -311,9 +311,8 @@ def _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniform
     for name, value in (("block.draft_tokens", block.draft_tokens), ("top_k", top_k), ("verify_len", verify_len)):
         if value is None:
             continue
-        dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise TypeError(f"{name} has dtype {dtype}: expected an integer dtype")
+        if not jnp.issubdtype(dtype_of(value), jnp.integer):
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype")
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:
