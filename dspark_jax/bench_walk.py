@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.bench import environment, profile_call, sampling_params, time_calls
+from dspark_jax.bench_timing import environment, profile_call, time_calls
+from dspark_jax.bench_workload import sampling_params
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import returned_corrected, walk_block
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning, use_race_kernel

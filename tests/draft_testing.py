@@ -149,16 +149,16 @@ def tiny_round(mode: str, *, gamma: int | None = None) -> tuple:
       ``(cfg, graphdef, args)`` with ``args = (state, cache, bonus, prefix_lens, temperatures,
       top_k, key)``: ``propose(graphdef, *args)`` is the round.
     """
-    from dspark_jax import bench
+    from dspark_jax import bench_workload
     from dspark_jax.presets import load_preset
 
     overrides = {} if gamma is None else {"block_size": gamma}
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", **overrides)
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 4, 48, jax.random.key(1))
+    graphdef, state = bench_workload.build_draft(cfg)
+    cache = bench_workload.random_context(cfg, 4, 48, jax.random.key(1))
     bonus = jnp.array([3, 7, 11, 0], jnp.int32)
     lens = jnp.array([20, 0, 33, 41], jnp.int32)
-    args = (state, cache, bonus, lens, *bench.sampling_params(4, mode), jax.random.key(TINY_ROUND_SEED))
+    args = (state, cache, bonus, lens, *bench_workload.sampling_params(4, mode), jax.random.key(TINY_ROUND_SEED))
     return cfg, graphdef, args
 
 

@@ -9,7 +9,7 @@ import pytest
 from draft_testing import tiny_rounds_per_choice
 from np_reference import gqa_attention
 
-from dspark_jax import bench
+from dspark_jax import bench_workload
 from dspark_jax.attention_kernel import (
     ATTENTION_ENV,
     attend_block,
@@ -191,12 +191,12 @@ def test_kernel_reads_request_slots_in_place():
 
 def test_propose_with_slots_equals_propose_on_gathered_rows(monkeypatch):
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = bench.build_draft(cfg)
-    cache = bench.random_context(cfg, 6, 48, jax.random.key(3))
+    graphdef, state = bench_workload.build_draft(cfg)
+    cache = bench_workload.random_context(cfg, 6, 48, jax.random.key(3))
     slots = jnp.array([5, 1, 2], jnp.int32)
     gathered = type(cache)(k=cache.k[:, slots], v=cache.v[:, slots])
     bonus, lens = jnp.array([3, 7, 11], jnp.int32), jnp.array([20, 0, 41], jnp.int32)
-    temps, top_k = bench.sampling_params(3, "mixed")
+    temps, top_k = bench_workload.sampling_params(3, "mixed")
     for choice in ("xla", "pallas"):
         monkeypatch.setenv(ATTENTION_ENV, choice)
         step = jax.jit(lambda c, s, *a: propose(graphdef, state, c, *a, slots=s))

@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax import bench
+from dspark_jax import bench, bench_compile, bench_e2e, bench_report, bench_timing, bench_workload
 from dspark_jax.cpu_awake import CpuAwake, host_cpus
 from dspark_jax.gpu_power import PowerSampler
 from dspark_jax.greedy_kernel import GREEDY_ENV
 from dspark_jax.mlp_kernel import MLP_ENV
 from dspark_jax.race_kernel import race_supported
-from dspark_jax.split_round import SplitRound
+from dspark_jax.split_round import BACKBONE_GEMM_ENV, SplitRound
 
 _ON_GPU = jax.default_backend() == "gpu"
 
@@ -36,7 +36,7 @@ def tiny_result(tmp_path_factory):
     argv = ["--shapes", "tiny", "--batches", "1", "--iters", "2", "--eager-iters", "1"]
     argv += ["--no-torch", "--no-compile", "--e2e", "--gemm", "xla", "--cuts", "2"]
     argv += ["--versus", "greedy=xla, mlp=pallas", "--awake", "--profile", "--idle-ms", "0.5", "--out", str(out)]
-    before = os.environ.get(bench.BACKBONE_GEMM_ENV)
+    before = os.environ.get(BACKBONE_GEMM_ENV)
     original_call = SplitRound.__call__
 
     def recording_call(self, *args, **kwargs):
@@ -57,19 +57,19 @@ def tiny_result(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # recorded, so the context restores the variable the run sets (delenv of an unset name
         # records nothing, and the executable store's keys of later tests include DSPARK_*)
-        patch.setenv(bench.BACKBONE_GEMM_ENV, "auto")
+        patch.setenv(BACKBONE_GEMM_ENV, "auto")
         for variable in (GREEDY_ENV, MLP_ENV):
             patch.delenv(variable, raising=False)
         patch.setattr(SplitRound, "__call__", recording_call)
         patch.setattr(CpuAwake, "__enter__", recording_enter)
-        patch.setattr(bench, "profile_kernels", recorded_profile)
+        patch.setattr(bench_timing, "profile_kernels", recorded_profile)
         # a board that answers as a power-capped GPU does (a CPU has no NVML to read)
         board = (lambda: (690.0, 1620.0, 0x4), 700.0)
         patch.setattr(bench, "PowerSampler", functools.partial(PowerSampler, reader=board, interval_s=0.001))
         assert bench.main(argv) == 0
-        assert os.environ[bench.BACKBONE_GEMM_ENV] == "xla"
+        assert os.environ[BACKBONE_GEMM_ENV] == "xla"
         assert GREEDY_ENV not in os.environ and MLP_ENV not in os.environ  # --versus restores them
-    assert os.environ.get(bench.BACKBONE_GEMM_ENV) == before
+    assert os.environ.get(BACKBONE_GEMM_ENV) == before
     return json.loads(out.read_text())
 
 
@@ -77,7 +77,7 @@ def test_awake_runs_a_spinner_per_cpu_while_timing_and_stops_them(tiny_result):
     assert tiny_result["meta"]["awake_spinners"] == len(host_cpus())
     assert _AWAKE and _SPINNERS_AT_CALL and set(_SPINNERS_AT_CALL) == {len(host_cpus())}
     assert all(a.pids == [] for a in _AWAKE)  # stopped after the timed stages
-    assert f"timed with {len(host_cpus())} spinners" in bench.format_table(tiny_result)
+    assert f"timed with {len(host_cpus())} spinners" in bench_report.format_table(tiny_result)
 
 
 def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
@@ -85,17 +85,17 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
     seen = {(r["batch"], r["mode"], r["path"]) for r in rows}
     assert (1, "greedy", "folded_greedy") in seen and (1, "greedy", "jit_static") in seen
     assert (1, "greedy", "split_greedy") in seen
-    for mode in bench.MODES:
+    for mode in bench_workload.MODES:
         for path in ("folded", "split", "proposer", "proposer_device", "eager"):
             assert (1, mode, path) in seen
     # --cuts 2: the split paths again with the tiny draft's two layers in one backbone piece
     assert (1, "greedy", "split_greedy@2") in seen
-    assert {(1, mode, "split@2") for mode in bench.MODES} <= seen
+    assert {(1, mode, "split@2") for mode in bench_workload.MODES} <= seen
     assert not any(p.endswith("@1|1") for _, _, p in seen)  # the default cut is not timed twice unasked
     # --versus greedy=xla,mlp=pallas: the split paths again, each round traced with its choice set
     for label, env in (("greedy=xla", {GREEDY_ENV: "xla"}), ("mlp=pallas", {MLP_ENV: "pallas"})):
         assert (1, "greedy", f"split_greedy@{label}") in seen
-        assert {(1, mode, f"split@{label}") for mode in bench.MODES} <= seen
+        assert {(1, mode, f"split@{label}") for mode in bench_workload.MODES} <= seen
         assert all(r["traced_with"] == env for r in rows if r["path"].endswith(label))
     first_calls = sorted(_FIRST_CALL_ENV.values(), key=str)
     assert first_calls.count(("xla", None)) == 1 and first_calls.count((None, "pallas")) == 1
@@ -116,7 +116,7 @@ def test_tiny_run_times_every_batch_mode_and_path(tiny_result):
 
 def test_profile_covers_every_mode_of_the_compiled_paths(tiny_result):
     profiled = {(r["mode"], r["path"]) for r in tiny_result["propose"] if "profile" in r}
-    for mode in bench.MODES:
+    for mode in bench_workload.MODES:
         for path in ("folded", "split", "split@2", "split@greedy=xla"):
             assert (mode, path) in profiled, (mode, path)
     assert not any(path.startswith(("proposer", "eager")) for _, path in profiled)
@@ -126,7 +126,7 @@ def test_profile_covers_every_mode_of_the_compiled_paths(tiny_result):
 def test_profile_kernels_reads_a_trace_and_reports_per_call_fields():
     f = jax.jit(lambda x: x * 2.0 + 1.0)
     x = jax.numpy.zeros((64,), jax.numpy.float32)
-    result = bench.profile_kernels(lambda: f(x), iters=3)
+    result = bench_timing.profile_kernels(lambda: f(x), iters=3)
     assert result["calls"] == 3
     assert set(result) == {"calls", "device_busy_ms", "launches_per_call", "kernels"}
     if _ON_GPU:  # one fused kernel per call
@@ -150,7 +150,7 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
         assert e2e[name] > 0
     assert tiny_result["meta"]["shapes"] == "tiny"
     # auto: the race kernel on GPUs (the tiny vocabulary is supported), the XLA sampler elsewhere
-    assert race_supported(bench.draft_config(bench.SHAPES["tiny"]).vocab_size)
+    assert race_supported(bench_workload.draft_config(bench_workload.SHAPES["tiny"]).vocab_size)
     assert tiny_result["meta"]["race"] == "auto" and tiny_result["meta"]["race_kernel"] is _ON_GPU
     # the tiled race kernels take 16-bit heads only, as the greedy ones
     assert tiny_result["meta"]["tile_race"] == "auto" and tiny_result["meta"]["tile_race_kernel"] == []
@@ -162,31 +162,34 @@ def test_tiny_run_reports_ceilings_and_end_to_end(tiny_result):
 
 
 def test_table_has_a_line_per_timed_row(tiny_result):
-    table = bench.format_table(tiny_result)
+    table = bench_report.format_table(tiny_result)
     assert "propose latency" in table and "ceilings:" in table and "e2e batch 1" in table
     assert "host: a trivial jitted op is ready" in table
     assert f"host: the {tiny_result['ceilings']['matmul_size']}³ product, one kernel, is ready" in table
     kernel = "race Pallas kernel per step" if _ON_GPU else "XLA"  # float32 tiny shapes: no tiled kernels
     assert f"folded walk's sampling step: {kernel} (DSPARK_JAX_TILE_RACE=auto, DSPARK_JAX_RACE=auto)" in table
-    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "tile_race_kernel": [1, 8]}})
+    meta = tiny_result["meta"]
+    table = bench_report.format_table({**tiny_result, "meta": {**meta, "tile_race_kernel": [1, 8]}})
     assert f"folded walk's sampling step: two tiled Pallas kernels per step at batches [1, 8], {kernel} at" in table
     assert "greedy-only walk's step: XLA (DSPARK_JAX_GREEDY=auto)" in table  # float32 tiny shapes
-    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "greedy_kernel": [1, 8]}})
+    table = bench_report.format_table({**tiny_result, "meta": {**meta, "greedy_kernel": [1, 8]}})
     assert "greedy-only walk's step: two Pallas kernels per step at batches [1, 8], XLA at the others" in table
-    assert "draft MLP's gate/up projections and SwiGLU: XLA (DSPARK_JAX_MLP=auto)" in bench.format_table(tiny_result)
-    table = bench.format_table({**tiny_result, "meta": {**tiny_result["meta"], "mlp_kernel": [1, 8]}})
-    assert "SwiGLU: one Pallas kernel per layer at batches [1, 8], XLA at the others (DSPARK_JAX_MLP=auto)" in table
-    assert "split round's backbone GEMMs: XLA's choice (DSPARK_JAX_BACKBONE_GEMM=xla)" in bench.format_table(
+    assert "draft MLP's gate/up projections and SwiGLU: XLA (DSPARK_JAX_MLP=auto)" in bench_report.format_table(
         tiny_result
     )
-    table = bench.format_table(
+    table = bench_report.format_table({**tiny_result, "meta": {**tiny_result["meta"], "mlp_kernel": [1, 8]}})
+    assert "SwiGLU: one Pallas kernel per layer at batches [1, 8], XLA at the others (DSPARK_JAX_MLP=auto)" in table
+    assert "split round's backbone GEMMs: XLA's choice (DSPARK_JAX_BACKBONE_GEMM=xla)" in bench_report.format_table(
+        tiny_result
+    )
+    table = bench_report.format_table(
         {**tiny_result, "meta": {**tiny_result["meta"], "backbone_gemm": "auto", "backbone_cublas": [8]}}
     )
     assert (
         "split round's backbone GEMMs: cuBLAS at batches [8], XLA's choice at the others "
         "(DSPARK_JAX_BACKBONE_GEMM=auto)" in table
     )
-    table = bench.format_table(tiny_result)
+    table = bench_report.format_table(tiny_result)
     timed = [line for line in table.splitlines() if line.split()[:1] == ["1"]]
     assert len(timed) == len(tiny_result["propose"])
 
@@ -194,7 +197,7 @@ def test_table_has_a_line_per_timed_row(tiny_result):
 def test_every_path_picks_the_tokens_of_the_first_path(tiny_result):
     """Same inputs and key: the folded, split, static, Proposer and eager rounds agree token for
     token (greedy and sampling rows), and the table says so."""
-    gamma = bench.draft_config(bench.SHAPES["tiny"]).gamma
+    gamma = bench_workload.draft_config(bench_workload.SHAPES["tiny"]).gamma
     rows = tiny_result["propose"]
     for r in rows:
         assert r["tokens_compared"] == r["batch"] * gamma and r["tokens_differ"] == 0, r
@@ -202,7 +205,9 @@ def test_every_path_picks_the_tokens_of_the_first_path(tiny_result):
     assert refs[("greedy", "split_greedy")] == refs[("greedy", "eager")] == "folded_greedy"
     assert refs[("sampling", "split")] == refs[("sampling", "eager")] == "folded"
     assert refs[("mixed", "proposer")] == refs[("mixed", "proposer_device")] == "split (the Proposer's slots)"
-    assert "every path picks the same tokens as the first path of its batch and mode" in bench.format_table(tiny_result)
+    assert "every path picks the same tokens as the first path of its batch and mode" in bench_report.format_table(
+        tiny_result
+    )
 
 
 def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_result):
@@ -240,34 +245,34 @@ def test_token_parity_counts_differing_tokens_and_the_table_names_them(tiny_resu
     result = copy.deepcopy(tiny_result)
     row = next(r for r in result["propose"] if (r["mode"], r["path"]) == ("mixed", "split"))
     row["tokens_differ"] = 3
-    table = bench.format_table(result)
+    table = bench_report.format_table(result)
     assert "draft tokens DIFFER" in table and "batch 1 mixed split: 3 of 7 against folded" in table
     assert "logit gap" not in table
     row["tokens_logit_gap"] = 0.03125
-    table = bench.format_table(result)
+    table = bench_report.format_table(result)
     assert "batch 1 mixed split: 3 of 7 against folded (logit gap 0.0312 in greedy rows)" in table
     assert "near-tie" in table and "sampling rows:" not in table
     assert "every path picks the same tokens" not in table
     row["tokens_differ_sampling_rows"] = 2
-    table = bench.format_table(result)
+    table = bench_report.format_table(result)
     assert "3 of 7 against folded (logit gap 0.0312 in greedy rows; 2 sampling rows)" in table
     assert "sampling rows: each token wins the race of its logits and its noise" in table
 
 
 def test_forced_accept_distribution_has_the_requested_mean():
     for tau in (1.5, 4.0, 6.17, 7.9):
-        probs = bench.forced_accept_probs(tau, 7)
+        probs = bench_e2e.forced_accept_probs(tau, 7)
         assert probs.shape == (8,) and np.all(probs > 0)
         np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-12)
         np.testing.assert_allclose(probs @ np.arange(8) + 1, tau, rtol=1e-9)
     with pytest.raises(ValueError, match="tau"):
-        bench.forced_accept_probs(9.0, 7)
+        bench_e2e.forced_accept_probs(9.0, 7)
 
 
 def test_round_cost_counts_weights_markov_context_and_logits():
-    cfg = bench.draft_config(bench.SHAPES["8b"])
-    greedy = bench.round_cost(cfg, 1, 1024, folded_sampling=False)
-    folded = bench.round_cost(cfg, 1, 1024, folded_sampling=True)
+    cfg = bench_workload.draft_config(bench_workload.SHAPES["8b"])
+    greedy = bench_workload.round_cost(cfg, 1, 1024, folded_sampling=False)
+    folded = bench_workload.round_cost(cfg, 1, 1024, folded_sampling=True)
     h, i, v = 4096, 12288, 151936
     layer = 2 * (h * 32 * 128 * 2 + h * 8 * 128 * 2 + 3 * h * i)  # bf16 bytes of one layer
     expected = 5 * layer + v * h * 2 + 7 * v * 256 * 2 + 2 * 5 * 1024 * 8 * 128 * 2 + 7 * h * 2
@@ -279,8 +284,8 @@ def test_round_cost_counts_weights_markov_context_and_logits():
 
 def test_floor_is_the_larger_of_the_two_bounds():
     cost = {"bytes": 2e9, "flops": 1e12}
-    assert bench.floor_ms(cost, 1e12, 1e15) == (2.0, "bytes")
-    assert bench.floor_ms(cost, 1e13, 1e14) == (10.0, "flops")
+    assert bench_workload.floor_ms(cost, 1e12, 1e15) == (2.0, "bytes")
+    assert bench_workload.floor_ms(cost, 1e13, 1e14) == (10.0, "flops")
 
 
 def test_bad_batches_are_refused_before_anything_runs():
@@ -293,27 +298,27 @@ def test_bad_batches_are_refused_before_anything_runs():
 def test_idle_timing_sleeps_before_each_call_and_reports_its_median(monkeypatch):
     """``idle_s`` adds a loop of calls, each after that long a sleep; without it, none."""
     calls, sleeps = [], []
-    monkeypatch.setattr(bench.time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(bench_timing.time, "sleep", lambda s: sleeps.append(s))
 
     def call():
         calls.append(len(sleeps))  # the sleeps so far
         return np.zeros(1)
 
-    plain = bench.time_call(call, iters=4, warmup=1)
+    plain = bench_timing.time_call(call, iters=4, warmup=1)
     assert "idle_median_ms" not in plain and sleeps == []
     calls.clear()
-    got = bench.time_call(call, iters=4, warmup=1, idle_s=0.003)
+    got = bench_timing.time_call(call, iters=4, warmup=1, idle_s=0.003)
     assert got["idle_median_ms"] > 0 and sleeps == [0.003] * 4
     assert calls[-4:] == [1, 2, 3, 4]  # each idle call right after its own sleep
     assert len(calls) == 1 + 4 * 4 + 4  # warm-up, the four loops, then the idle loop
     with pytest.raises(ValueError, match="idle_s=-0.001 is invalid"):
-        bench.time_calls({"a": call}, iters=2, idle_s=-0.001)
+        bench_timing.time_calls({"a": call}, iters=2, idle_s=-0.001)
     with pytest.raises(ValueError, match="idle_s=nan is invalid"):
-        bench.time_call(call, iters=2, idle_s=float("nan"))
+        bench_timing.time_call(call, iters=2, idle_s=float("nan"))
 
 
 def test_table_reports_idle_medians_and_the_board(tiny_result):
-    table = bench.format_table(tiny_result)
+    table = bench_report.format_table(tiny_result)
     assert tiny_result["meta"]["idle_ms"] == 0.5 and "idle = median when the device idles" in table
     row = next(r for r in tiny_result["propose"] if r["path"] == "split_greedy")
     line = next(x for x in table.splitlines() if x.split()[:3] == ["1", "greedy", "split_greedy"])
@@ -326,11 +331,11 @@ def test_table_reports_idle_medians_and_the_board(tiny_result):
     for r in hot["propose"]:
         if "board" in r:
             r["board"].update(thermal_share=0.25, power_limit_w=None)
-    hot_table = bench.format_table(hot)
+    hot_table = bench_report.format_table(hot)
     assert "power median 690 W, held at the power cap" in hot_table and ", thermal slowdown in 25%" in hot_table
     for r in hot["propose"]:
         r.pop("board", None)
-    assert "board while" not in bench.format_table(hot)
+    assert "board while" not in bench_report.format_table(hot)
 
 
 def _timed_row(batch, path, latency, dispatch):
@@ -342,7 +347,7 @@ def _timed_row(batch, path, latency, dispatch):
         "released": latency,
         "spin": latency,
     }
-    return {"batch": batch, "mode": "greedy", "path": path, **bench._summary(samples), "samples": samples}
+    return {"batch": batch, "mode": "greedy", "path": path, **bench_timing._summary(samples), "samples": samples}
 
 
 def test_pool_samples_recomputes_each_row_over_every_process():
@@ -350,7 +355,7 @@ def test_pool_samples_recomputes_each_row_over_every_process():
     a = [_timed_row(1, "split", [1.0, 1.1, 1.2], [0.3, 0.3, 0.3]), {"batch": 1, "mode": "greedy", "path": "x"}]
     b = [_timed_row(1, "split", [2.0, 2.1, 2.2], [0.5, 0.6, 0.7]), {"batch": 1, "mode": "greedy", "path": "x"}]
     c = [_timed_row(1, "split", [1.15, 1.16, 5.0], [0.4, 0.4, 0.4]), {"batch": 1, "mode": "greedy", "path": "x"}]
-    pooled = bench.pool_samples([a, b, c])
+    pooled = bench_timing.pool_samples([a, b, c])
     row = pooled[0]
     everything = [1.0, 1.1, 1.2, 2.0, 2.1, 2.2, 1.15, 1.16, 5.0]
     assert row["median_ms"] == pytest.approx(np.median(everything)) and row["iters"] == 9
@@ -359,10 +364,10 @@ def test_pool_samples_recomputes_each_row_over_every_process():
     assert [p["median_ms"] for p in row["processes"]] == pytest.approx([1.1, 2.1, 1.16])
     assert "samples" not in row and pooled[1] == a[1]  # an untimed row passes through
     with pytest.raises(ValueError, match=r"process 1 has 0 rows for batch, mode, path \(1, 'greedy', 'split'\)"):
-        bench.pool_samples([a, b[1:]])
+        bench_timing.pool_samples([a, b[1:]])
     bare = [{k: v for k, v in b[0].items() if k != "samples"}]
     with pytest.raises(ValueError, match="lack their samples"):
-        bench.pool_samples([a[:1], bare])
+        bench_timing.pool_samples([a[:1], bare])
 
 
 def test_processes_time_the_paths_in_fresh_processes_and_pool_them(tmp_path):
@@ -377,7 +382,7 @@ def test_processes_time_the_paths_in_fresh_processes_and_pool_them(tmp_path):
     assert row["iters"] == 4 and len(row["processes"]) == 2 and "samples" not in row
     own = [p["median_ms"] for p in row["processes"]]  # equal-sized samples: the pooled median lies between
     assert min(own) - 1e-9 <= row["median_ms"] <= max(own) + 1e-9
-    table = bench.format_table(result)
+    table = bench_report.format_table(result)
     assert "timed in 2 fresh processes" in table and "per process" in table
     assert f"{min(own):.3f}–{max(own):.3f}" in table  # the range of the processes' own medians
     with pytest.raises(ValueError, match="--processes=0 is invalid: must be >= 1"):
@@ -415,7 +420,7 @@ def test_warm_up_calls_hold_the_previous_result_as_the_waited_loop_does():
         last[0] = weakref.ref(result)
         return result
 
-    bench.time_call(call, iters=4, warmup=3)
+    bench_timing.time_call(call, iters=4, warmup=3)
     assert held[:7] == [False] + [True] * 6  # 3 warm-up calls, then the 4 waited ones
 
 
@@ -430,16 +435,16 @@ def test_time_calls_interleaves_rounds_and_merges_their_samples():
 
         return call
 
-    got = bench.time_calls({"a": make("a"), "b": make("b")}, iters=5, rounds=2)  # 3 calls per loop and round
+    got = bench_timing.time_calls({"a": make("a"), "b": make("b")}, iters=5, rounds=2)  # 3 calls per loop and round
     per_round = 3 + 4 * 3  # warm-up + latency, pipelined, released and spin loops
     assert order == (["a"] * per_round + ["b"] * per_round) * 2
     for stats in got.values():
         assert stats["iters"] == 6 and "samples" not in stats  # raw samples only when asked for
         assert 0 < stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"] and stats["pipelined_ms"] > 0
-    kept = bench.time_calls({"a": make("a")}, iters=4, rounds=2, samples=True)["a"]["samples"]
+    kept = bench_timing.time_calls({"a": make("a")}, iters=4, rounds=2, samples=True)["a"]["samples"]
     assert len(kept["latency"]) == 4 and len(kept["spin"]) == 4 and kept["pipelined_calls"] == [2, 2]
     with pytest.raises(ValueError, match="rounds >= 1 and iters >= 1, got rounds=0"):
-        bench.time_calls({"a": make("a")}, iters=5, rounds=0)
+        bench_timing.time_calls({"a": make("a")}, iters=5, rounds=0)
 
 
 def test_table_states_the_gate_prediction_against_the_measured_peak():
@@ -449,7 +454,7 @@ def test_table_states_the_gate_prediction_against_the_measured_peak():
     gate = {"closed_form_bytes": 272_000_000, "compiled_bytes": 210_000_000, "needed_bytes": 210_000_000}
     cached = {"workers": 8, "buckets": [], "rest_seconds": 2.0, "total_seconds": 2.0, "process_seconds": 9.0}
     result = {"compile": {"cached": {**cached, "gate": gate, "memory": memory}}}
-    [line] = [x for x in bench.format_table(result).splitlines() if x.startswith("memory gate")]
+    [line] = [x for x in bench_report.format_table(result).splitlines() if x.startswith("memory gate")]
     assert "adds 0.200 GB" in line and "greedy 0.440 GB, sampling 0.640 GB" in line
     assert "gate predicts 0.210 GB (+5.0 % of the measured" in line
     assert "closed form 0.272 GB, XLA's estimate 0.210 GB" in line
@@ -459,7 +464,7 @@ def test_own_peak_sees_a_call_below_an_earlier_larger_peak(monkeypatch):
     """A fake allocator: an earlier transient left the peak at 1000 with 600 in use. A call
     that needs 150 more would not move the peak; with ballast it raises it by exactly 150."""
     state = {"bytes_in_use": 600, "peak_bytes_in_use": 1000}
-    monkeypatch.setattr(bench, "_memory_stat", state.get)
+    monkeypatch.setattr(bench_compile, "memory_stat", state.get)
 
     def allocate(nbytes):
         state["bytes_in_use"] += nbytes
@@ -473,25 +478,25 @@ def test_own_peak_sees_a_call_below_an_earlier_larger_peak(monkeypatch):
 
         return run
 
-    small, ballast = bench._own_peak(call(150), [], allocate)
+    small, ballast = bench_compile.own_peak(call(150), [], allocate)
     assert (small, ballast, state["bytes_in_use"]) == (150, [400], 1000)
-    large, ballast = bench._own_peak(call(420), ballast, allocate)
+    large, ballast = bench_compile.own_peak(call(420), ballast, allocate)
     assert (large, ballast, state["bytes_in_use"]) == (420, [400, 150], 1150)
-    monkeypatch.setattr(bench, "_memory_stat", lambda name: None)
+    monkeypatch.setattr(bench_compile, "memory_stat", lambda name: None)
     made = []
-    assert bench._own_peak(lambda: made.append(1) or jax.numpy.zeros(()), [], allocate) == (None, [])
+    assert bench_compile.own_peak(lambda: made.append(1) or jax.numpy.zeros(()), [], allocate) == (None, [])
     assert made == [1]  # no statistics: the call is still made
 
 
 def test_round_peak_is_the_largest_program_each_at_its_least():
     # two programs (a piece, a head), three rounds each; the allocator only ever adds
     peaks = {"greedy": [100, 360, 150, 440, 100, 352], "sampling": [100, 624, 148, 625, 101, 700]}
-    out = bench.round_peaks(peaks, programs=2)
+    out = bench_compile.round_peaks(peaks, programs=2)
     assert out == {"greedy_round_peak_bytes": 352, "sampling_round_peak_bytes": 624, "sampling_extra_bytes": 272}
     # a piece larger than the greedy head sets the greedy round's peak
-    out = bench.round_peaks({"greedy": [400, 350], "sampling": [400, 624]}, programs=2)
+    out = bench_compile.round_peaks({"greedy": [400, 350], "sampling": [400, 624]}, programs=2)
     assert out["sampling_extra_bytes"] == 224
-    unknown = bench.round_peaks({"greedy": [None, 3], "sampling": [1, 2]}, programs=2)
+    unknown = bench_compile.round_peaks({"greedy": [None, 3], "sampling": [1, 2]}, programs=2)
     assert unknown["greedy_round_peak_bytes"] is None and unknown["sampling_extra_bytes"] is None
 
 
@@ -503,15 +508,15 @@ def test_compile_worker_measures_each_program_of_both_rounds(monkeypatch):
         result = jax.block_until_ready(call())
         return sum(leaf.nbytes for leaf in jax.tree.leaves(result)), ballast
 
-    monkeypatch.setattr(bench, "_own_peak", own_peak)
+    monkeypatch.setattr(bench_compile, "own_peak", own_peak)
     thresholds = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
     before = [getattr(jax.config, name) for name in thresholds]
-    out = bench._compile_worker(bench.SHAPES["tiny"], 1, workers=1, measure_memory=True)
+    out = bench_compile._compile_worker(bench_workload.SHAPES["tiny"], 1, workers=1, measure_memory=True)
     # jax's configuration as it was (the executable store's keys include it: later tests load)
     assert [getattr(jax.config, name) for name in thresholds] == before != [0.0, 0]
-    mem, cfg = out["memory"], bench.draft_config(bench.SHAPES["tiny"])
-    programs = len(out["memory"]["greedy_program_peaks_bytes"]) // bench.MEMORY_REPEATS
-    assert programs >= 2 and len(mem["sampling_program_peaks_bytes"]) == programs * bench.MEMORY_REPEATS
+    mem, cfg = out["memory"], bench_workload.draft_config(bench_workload.SHAPES["tiny"])
+    programs = len(out["memory"]["greedy_program_peaks_bytes"]) // bench_compile.MEMORY_REPEATS
+    assert programs >= 2 and len(mem["sampling_program_peaks_bytes"]) == programs * bench_compile.MEMORY_REPEATS
     corrected = cfg.gamma * cfg.vocab_size * np.dtype(cfg.jnp_dtype).itemsize  # one row's corrected logits
     heads = [mem[f"{mode}_program_peaks_bytes"][programs - 1] for mode in ("sampling", "greedy")]
     assert heads[0] - heads[1] == corrected  # the heads' outputs differ by the corrected logits alone
@@ -563,3 +568,17 @@ def test_kernel_choice_flags_parse_every_choice_and_refuse_others(capsys):
         assert f"argument {option}: invalid choice: 'cuda'" in capsys.readouterr().err
         assert f"(sets {variable};" in " ".join(parser.format_help().split())
     assert ("mlp", ("auto", "xla", "pallas"), "DSPARK_JAX_MLP") in {f[:3] for f in bench.ENV_FLAGS}
+
+
+def test_compile_stage_precompiles_cold_then_loads_every_program_from_the_cache(tmp_path):
+    """The bench's compile stage (two fresh ``python -m dspark_jax.bench_compile`` processes
+    sharing one cache): the cold run compiles and saves every program, the cached run loads
+    all of them and compiles none, then measures memory at the largest bucket."""
+    out = bench_compile.bench_compile(bench_workload.SHAPES["tiny"], 2, str(tmp_path), workers=1)
+    cold, cached = out["cold"], out["cached"]
+    assert "error" not in cold and "error" not in cached, out
+    assert cold["store"]["hits"] == 0 and cold["store"]["saves"] > 0
+    assert cached["store"] == {"hits": cold["store"]["saves"], "saves": 0}
+    assert [(b["batch"], b["fold_sampling"]) for b in cold["buckets"]] == [(1, False), (1, True), (2, False), (2, True)]
+    assert cached["memory"]["batch"] == 2 and cached["gate"]["enabled"]
+    assert cached["process_seconds"] >= cached["total_seconds"] > 0

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import bench, bench_walk
+from dspark_jax import bench, bench_report, bench_walk, bench_workload
 from dspark_jax.race_kernel import RACE_ENV, RaceTuning
 from dspark_jax.tile_race_kernel import TILE_RACE_ENV
 
 
 def _draft(**changes):
-    cfg = dataclasses.replace(bench.draft_config(bench.SHAPES["tiny"]), **changes)
-    return nnx.merge(*bench.build_draft(cfg))
+    cfg = dataclasses.replace(bench_workload.draft_config(bench_workload.SHAPES["tiny"]), **changes)
+    return nnx.merge(*bench_workload.build_draft(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def tiny_draft():
 
 def test_walk_rows_cover_every_batch_mode_and_path_with_equal_tokens(tiny_draft, monkeypatch):
     monkeypatch.setenv(RACE_ENV, "xla")
-    rows = bench_walk.bench_walk(tiny_draft, batches=(3,), modes=bench.MODES, iters=2, profile=True)
+    rows = bench_walk.bench_walk(tiny_draft, batches=(3,), modes=bench_workload.MODES, iters=2, profile=True)
     seen = [(r["batch"], r["mode"], r["path"]) for r in rows]
-    expected = [(3, "greedy", "greedy_only")] + [(3, m, "folded") for m in bench.MODES]
+    expected = [(3, "greedy", "greedy_only")] + [(3, m, "folded") for m in bench_workload.MODES]
     assert sorted(seen) == sorted(expected)  # no folded_xla row: the kernel is off
     gamma = tiny_draft.cfg.block_size
     for r in rows:
@@ -78,7 +78,7 @@ def test_greedy_only_walk_drops_the_corrected_logits_as_the_round_does(tiny_draf
     cfg = tiny_draft.cfg
     graphdef, state = nnx.split(tiny_draft.markov_head)
     x = bench_walk.walk_inputs(tiny_draft, 3)
-    temps, top_k = bench.sampling_params(3, "greedy")
+    temps, top_k = bench_workload.sampling_params(3, "greedy")
     args = (graphdef, state, x["base"], x["hidden"], x["bonus"], temps, top_k, x["key"])
     tokens, corrected = bench_walk._walk(*args, fold_sampling=False, tuning=None)
     folded_tokens, folded = bench_walk._walk(*args, fold_sampling=True, tuning=None)
@@ -115,7 +115,7 @@ def test_walk_table_gives_step_ratios_and_names_differing_tokens():
     assert "1.000" in lines[2] and "same (vs greedy_only)" in lines[2]
     assert "1.200" in lines[3] and "3/14 differ (vs folded)" in lines[3]
     assert bench_walk.format_walk([]) == []
-    assert "Markov walk alone" in bench.format_table({"walk": rows})
+    assert "Markov walk alone" in bench_report.format_table({"walk": rows})
     assert "busy" not in lines[1]  # no profile, no column
     profiled = [{**rows[0], "profile": {"device_busy_ms": 0.1875}}, rows[1]]
     lines = bench_walk.format_walk(profiled)

@@ -9,7 +9,7 @@ import pytest
 from draft_testing import tiny_round
 from flax import nnx
 
-from dspark_jax import bench, propose
+from dspark_jax import bench_workload, propose
 from dspark_jax.greedy_kernel import (
     GREEDY_AUTO_MAX_BATCH,
     GREEDY_ENV,
@@ -85,7 +85,7 @@ def test_tiles_then_pick_give_the_numpy_argmax_and_the_next_rows(batch, vocab, t
 def _tiny_head(head_type):
     """The bf16 tiny preset's head with exact tables (small multiples of 1/8)."""
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
-    graphdef, state = bench.build_draft(cfg)
+    graphdef, state = bench_workload.build_draft(cfg)
     head = nnx.merge(graphdef, state).markov_head
     rng = np.random.default_rng(1)
     for name in ("markov_w1", "markov_w2"):

@@ -124,11 +124,11 @@ def test_greedy_walk_lowers_for_cuda(head_type, batch):
     never formed outside the kernels."""
     from flax import nnx
 
-    from dspark_jax import bench
+    from dspark_jax import bench_workload
     from dspark_jax.presets import load_preset
 
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
-    head = nnx.merge(*bench.build_draft(cfg)).markov_head
+    head = nnx.merge(*bench_workload.build_draft(cfg)).markov_head
     g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
 
     def fn(base, hidden, bonus):
@@ -152,13 +152,13 @@ def test_tiled_race_walk_lowers_for_cuda(head_type, batch, max_rows, programs):
     the ``[B, V]`` bias is never formed outside the kernels; several row blocks per race block too."""
     from flax import nnx
 
-    from dspark_jax import bench
+    from dspark_jax import bench_workload
     from dspark_jax.presets import load_preset
     from dspark_jax.sampling import row_keys
     from dspark_jax.tile_race_kernel import TileRaceTuning, tiled_race_walk
 
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16", markov_head_type=head_type)
-    head = nnx.merge(*bench.build_draft(cfg)).markov_head
+    head = nnx.merge(*bench_workload.build_draft(cfg)).markov_head
     g, v, h = cfg.gamma, cfg.vocab_size, cfg.hidden_size
     tuning = TileRaceTuning(max_rows=max_rows, programs=programs)
 

@@ -9,7 +9,7 @@ import pytest
 from draft_testing import random_draft, tiny_config
 from flax import nnx
 
-from dspark_jax import bench, split_round
+from dspark_jax import bench_workload, split_round
 from dspark_jax.attention_kernel import ATTENTION_ENV
 from dspark_jax.presets import load_preset
 from dspark_jax.proposal import backbone_stage, propose
@@ -32,7 +32,7 @@ CAPACITY = 16
 def three_layers():
     """A 3-layer tiny draft, a 4-row context cache and one mixed call's inputs."""
     draft = random_draft(tiny_config(num_hidden_layers=3), seed=4)
-    cache = bench.random_context(draft.cfg, 4, CAPACITY, jax.random.key(5))
+    cache = bench_workload.random_context(draft.cfg, 4, CAPACITY, jax.random.key(5))
     inputs = dict(
         bonus=jnp.array([1, 9, 30, 0], jnp.int32),
         prefix_lens=jnp.array([5, 0, 9, 12], jnp.int32),
@@ -94,14 +94,14 @@ def test_split_round_with_slots_and_the_kernel_equals_propose_on_gathered_rows(m
     """bf16 cache through the Pallas interpreter: slots read in place across the pieces."""
     monkeypatch.setenv(ATTENTION_ENV, "pallas")
     cfg = load_preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
-    graphdef, state = bench.build_draft(cfg)
+    graphdef, state = bench_workload.build_draft(cfg)
     draft = nnx.merge(graphdef, state)
     assert cfg.num_hidden_layers >= 2  # both pieces run
-    cache = bench.random_context(cfg, 6, 48, jax.random.key(3))
+    cache = bench_workload.random_context(cfg, 6, 48, jax.random.key(3))
     slots = jnp.array([5, 1, 2], jnp.int32)
     gathered = type(cache)(k=cache.k[:, slots], v=cache.v[:, slots])
     bonus, lens = jnp.array([3, 7, 11], jnp.int32), jnp.array([20, 0, 41], jnp.int32)
-    temps, top_k = bench.sampling_params(3, "mixed")
+    temps, top_k = bench_workload.sampling_params(3, "mixed")
     got = SplitRound(draft)(cache, bonus, lens, temps, top_k, jax.random.key(4), slots=slots)
     whole = jax.jit(lambda c, *a: propose(graphdef, state, c, *a))
     want = whole(gathered, bonus, lens, temps, top_k, jax.random.key(4))
