@@ -18,6 +18,7 @@ from flax import nnx
 from dspark_jax.bench_timing import time_call
 from dspark_jax.bench_workload import BenchShapes, build_draft, draft_config, jit_split, random_context, target_config
 from dspark_jax.cache import fill_context
+from dspark_jax.config import DraftConfig
 from dspark_jax.target import KVCache, Qwen3Target
 
 
@@ -44,6 +45,29 @@ def forced_accept_probs(mean_accepted: float, gamma: int) -> np.ndarray:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if probs(mid) @ c < want else (lo, mid)
     return probs(0.5 * (lo + hi))
+
+
+def fused_layer_ids(cfg: DraftConfig, num_layers: int) -> tuple[int, ...]:
+    """The draft's ``target_layer_ids`` for a target of ``num_layers`` layers (``--e2e-layers``).
+
+    The draft's own ids where they fit; else its ``num_fused_layers`` ids spread evenly from
+    the first layer to the last (rounded half up, so strictly increasing); with one layer too
+    few for that, the embedding output (id -1) and every layer.
+
+    Raises:
+      ValueError: ``num_layers`` is below ``num_fused_layers - 1``.
+    """
+    n = cfg.num_fused_layers
+    if num_layers < n - 1:
+        raise ValueError(
+            f"target_layers={num_layers!r} is invalid: the draft fuses {n} target layers, so the target needs at "
+            f"least {n - 1} (the embedding output counts as one)"
+        )
+    if cfg.target_layer_ids[-1] < num_layers:
+        return cfg.target_layer_ids
+    if num_layers == n - 1:
+        return tuple(range(-1, num_layers))
+    return tuple(int(i) for i in np.floor(np.linspace(0, num_layers - 1, n) + 0.5))
 
 
 def _spec_round(t_graphdef, t_state, d_graphdef, d_state, kv, ctx, bonus, prefix_lens, key, accept_probs):
@@ -95,10 +119,10 @@ def bench_e2e(
 
     dcfg = draft_config(shapes)
     tcfg = target_config(shapes, target_layers)
-    if tcfg.num_hidden_layers <= dcfg.target_layer_ids[-1]:
+    if tcfg.num_hidden_layers != dcfg.num_target_layers:
         dcfg = dataclasses.replace(
             dcfg,
-            target_layer_ids=tuple(np.linspace(0, tcfg.num_hidden_layers - 1, dcfg.num_fused_layers).astype(int)),
+            target_layer_ids=fused_layer_ids(dcfg, tcfg.num_hidden_layers),
             num_target_layers=tcfg.num_hidden_layers,
         )
     target = Qwen3Target(tcfg, rngs=nnx.Rngs(seed))

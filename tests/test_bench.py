@@ -582,3 +582,23 @@ def test_compile_stage_precompiles_cold_then_loads_every_program_from_the_cache(
     assert [(b["batch"], b["fold_sampling"]) for b in cold["buckets"]] == [(1, False), (1, True), (2, False), (2, True)]
     assert cached["memory"]["batch"] == 2 and cached["gate"]["enabled"]
     assert cached["process_seconds"] >= cached["total_seconds"] > 0
+
+
+def test_e2e_layers_give_the_draft_fused_ids_inside_a_shallower_target():
+    """``--e2e-layers``: the draft's own ids where they fit, else spread evenly (strictly
+    increasing Python ints), with the embedding output when one layer short; fewer refused."""
+    tiny = bench_workload.draft_config(bench_workload.SHAPES["tiny"])  # fuses (0, 1, 3)
+    assert bench_e2e.fused_layer_ids(tiny, 4) == (0, 1, 3)
+    assert bench_e2e.fused_layer_ids(tiny, 3) == (0, 1, 2)
+    assert bench_e2e.fused_layer_ids(tiny, 2) == (-1, 0, 1)
+    with pytest.raises(ValueError, match=r"target_layers=1 is invalid: the draft fuses 3 target layers"):
+        bench_e2e.fused_layer_ids(tiny, 1)
+    big = bench_workload.draft_config(bench_workload.SHAPES["8b"])  # fuses (1, 9, 17, 25, 33)
+    for layers in range(4, 40):
+        ids = bench_e2e.fused_layer_ids(big, layers)
+        assert len(ids) == 5 and all(type(i) is int for i in ids), ids
+        assert all(b > a for a, b in zip(ids, ids[1:])) and -1 <= ids[0] and ids[-1] < layers, (layers, ids)
+    assert bench_e2e.fused_layer_ids(big, 9) == (0, 2, 4, 6, 8)
+    assert bench_e2e.fused_layer_ids(big, 36) == (1, 9, 17, 25, 33)
+    out = bench_e2e.bench_e2e(bench_workload.SHAPES["tiny"], target_layers=2, tau=2.0, rounds=2)
+    assert out["target_layers"] == 2 and out["plain_step_ms"] > 0 and out["round_ms"] > 0
