@@ -597,7 +597,8 @@ def test_e2e_layers_give_the_draft_fused_ids_inside_a_shallower_target():
     for layers in range(4, 40):
         ids = bench_e2e.fused_layer_ids(big, layers)
         assert len(ids) == 5 and all(type(i) is int for i in ids), ids
-        assert all(b > a for a, b in zip(ids, ids[1:])) and -1 <= ids[0] and ids[-1] < layers, (layers, ids)
+        assert all(b > a for a, b in zip(ids[:-1], ids[1:], strict=True)), ids
+        assert ids[0] >= -1 and ids[-1] < layers, (layers, ids)
     assert bench_e2e.fused_layer_ids(big, 9) == (0, 2, 4, 6, 8)
     assert bench_e2e.fused_layer_ids(big, 36) == (1, 9, 17, 25, 33)
     out = bench_e2e.bench_e2e(bench_workload.SHAPES["tiny"], target_layers=2, tau=2.0, rounds=2)
