@@ -495,16 +495,22 @@ def run(args: argparse.Namespace) -> int:
             os.environ[variable] = getattr(args, flag)  # the compile subprocesses inherit it
     shapes = SHAPES[args.shapes]
     batches = args.batches or shapes.batches
-    iters = args.iters or shapes.iters
+    iters = shapes.iters if args.iters is None else args.iters
     eager_iters = max(2, iters // 10) if args.eager_iters is None else args.eager_iters
     for name, value in (
         ("--iters", iters),
-        ("--max-batch", args.max_batch or 1),
+        ("--max-batch", args.max_batch),
         ("--compile-workers", args.compile_workers),
         ("--processes", args.processes),
+        ("--e2e-layers", args.e2e_layers),
     ):
-        if value < 1:
+        if value is not None and value < 1:  # None: the preset's
             raise ValueError(f"{name}={value} is invalid: must be >= 1")
+    if eager_iters < 0:
+        raise ValueError(f"--eager-iters={eager_iters} is invalid: must be >= 0 (0 skips eager)")
+    gamma = draft_config(shapes).gamma
+    if args.e2e and not 1 < args.tau < gamma + 1:
+        raise ValueError(f"--tau={args.tau} is invalid: must lie strictly between 1 and gamma + 1 = {gamma + 1}")
     if not 0 <= args.idle_ms <= 1000:
         raise ValueError(f"--idle-ms={args.idle_ms} is invalid: must be in [0, 1000] milliseconds")
     for name in ("cuts", "versus"):

@@ -17,6 +17,7 @@ import collections
 import heapq
 import itertools
 import json
+import operator
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,15 @@ class Tokenizer:
         missing = [t for t in special_tokens if t not in vocab]
         if missing:
             raise ValueError(f"special_tokens={missing!r} are not in the vocabulary")
+        absent = [b for b in range(256) if _BYTE_TO_CHAR[b] not in vocab]
+        if absent:
+            raise ValueError(
+                f"vocab lacks the byte symbols of {len(absent)} bytes (first: {absent[:8]}): a byte-level BPE "
+                "vocabulary must hold all 256, or some text cannot be encoded"
+            )
+        bad = [m for m in merges if len(m) != 2 or not all(isinstance(t, str) for t in m)]
+        if bad:
+            raise ValueError(f"merges hold {len(bad)} entries that are not pairs of token strings, first: {bad[0]!r}")
         self.vocab = dict(vocab)
         self.id_to_token = {i: t for t, i in self.vocab.items()}
         if len(self.id_to_token) != len(self.vocab):
@@ -146,10 +156,16 @@ class Tokenizer:
         """Token ids → text (invalid UTF-8 from a partial byte sequence becomes U+FFFD)."""
         chunks: list[str] = []
         buf = bytearray()
-        for i in ids:
-            token = self.id_to_token.get(int(i))
+        for j, i in enumerate(ids):
+            try:
+                if isinstance(i, bool):
+                    raise TypeError
+                k = operator.index(i)  # ints, NumPy / jax integer scalars; not floats or strings
+            except TypeError:
+                raise TypeError(f"ids[{j}]={i!r} is invalid: token ids must be integers") from None
+            token = self.id_to_token.get(k)
             if token is None:
-                raise ValueError(f"token id {int(i)} is outside the vocabulary (size {self.vocab_size})")
+                raise ValueError(f"ids[{j}]={k} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
             if token in self.special_tokens:
                 chunks.append(buf.decode("utf-8", errors="replace"))
                 buf = bytearray()
@@ -221,17 +237,30 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer path {path!r} does not exist: expected a tokenizer.json or its folder")
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    model = data.get("model", {})
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+    model = data.get("model", {}) if isinstance(data, dict) else {}
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model.type={model.get('type')!r} is not supported: only 'BPE'")
+    for field in ("vocab", "merges"):
+        if field not in model:
+            raise ValueError(
+                f"{path}: model.{field} is missing: a BPE tokenizer.json needs model.vocab and model.merges"
+            )
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     vocab = dict(model["vocab"])
     specials = []
-    for tok in data.get("added_tokens", []):
+    for j, tok in enumerate(data.get("added_tokens", [])):
+        if not isinstance(tok, dict) or "content" not in tok or "id" not in tok:
+            raise ValueError(f"{path}: added_tokens[{j}]={tok!r} is invalid: must have 'content' and 'id'")
         vocab[tok["content"]] = tok["id"]
         specials.append(tok["content"])
-    return Tokenizer(vocab, merges, specials)
+    try:
+        return Tokenizer(vocab, merges, specials)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def train_bpe(
@@ -251,13 +280,17 @@ def train_bpe(
     Returns:
       The trained :class:`Tokenizer`.
     """
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"texts must be an iterable of str documents, got a {type(texts).__name__}: wrap it in a list")
     special_tokens = tuple(special_tokens)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
         raise ValueError(
             f"vocab_size={vocab_size!r} is invalid: must be an integer >= 256 + {len(special_tokens)} special tokens"
         )
     words: collections.Counter[str] = collections.Counter()
-    for text in texts:
+    for j, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{j}] is a {type(text).__name__}: every document must be a str")
         words.update(_WORD_RE.findall(text))
     if not words:
         raise ValueError("train_bpe got no text: texts is empty or holds only empty strings")

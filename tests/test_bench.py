@@ -295,6 +295,23 @@ def test_bad_batches_are_refused_before_anything_runs():
         bench.main(["--shapes", "tiny", "--modes", "greedy,bogus"])
 
 
+def test_zero_or_negative_counts_are_refused_not_replaced_by_the_preset():
+    """``--iters 0`` (and 0 for the other counts) used to fall back to the preset's value
+    silently; every count is now checked as given, and ``--tau`` before any stage runs."""
+    base = ["--shapes", "tiny", "--batches", "1", "--no-torch", "--no-compile"]
+    for flag, value, allowed in (
+        ("--iters", "0", ">= 1"),
+        ("--max-batch", "0", ">= 1"),
+        ("--e2e-layers", "0", ">= 1"),
+        ("--eager-iters", "-1", ">= 0"),
+    ):
+        with pytest.raises(ValueError, match=f"{flag}={value} is invalid: must be {allowed}"):
+            bench.main([*base, flag, value])
+    for tau in ("1.0", "8.0"):
+        with pytest.raises(ValueError, match=f"--tau={tau} is invalid: must lie strictly between 1 and gamma"):
+            bench.main([*base, "--e2e", "--tau", tau])
+
+
 def test_idle_timing_sleeps_before_each_call_and_reports_its_median(monkeypatch):
     """``idle_s`` adds a loop of calls, each after that long a sleep; without it, none."""
     calls, sleeps = [], []

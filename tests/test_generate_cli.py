@@ -57,3 +57,26 @@ def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
     assert "\n--- 'a rat'\na rat" in out
     assert re.search(r"tau per request: \d+\.\d\d, \d+\.\d\d\n", out)
     assert re.search(r"rounds: \d+, new tokens: 12\n", out)
+
+
+def test_out_of_range_sampling_flags_are_refused_by_name_before_loading(tmp_path, capsys):
+    """Bad numbers are refused by argparse, naming the flag, before any checkpoint is read
+    (the folders here do not exist)."""
+    base = ["generate", "--target", str(tmp_path / "none"), "--draft", str(tmp_path / "none"), "--prompt", "x"]
+    for flag, value, says in (
+        ("--top-k", "0", "must be >= 1"),
+        ("--temperature", "nan", "must be >= 0"),
+        ("--temperature", "-0.5", "must be >= 0"),
+        ("--top-p", "0", "must be in (0, 1]"),
+        ("--top-p", "1.5", "must be in (0, 1]"),
+        ("--max-new-tokens", "0", "must be >= 1"),
+        ("--top-k", "2.5", "is not an integer"),
+    ):
+        try:
+            main([*base, flag, value])
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{flag} {value} was accepted")
+        err = capsys.readouterr().err
+        assert f"argument {flag}: '{value}' " in err and says in err, err

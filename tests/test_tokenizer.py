@@ -3,6 +3,8 @@
 import collections
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from dspark_jax.tokenizer import (
@@ -105,3 +107,46 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
         load_tokenizer(tmp_path / "missing")
     with pytest.raises(TypeError, match="str"):
         train_bpe(TEXTS, 260).encode(b"bytes")
+
+
+def test_decode_refuses_non_integer_ids_by_position(tok):
+    """Floats and strings used to be truncated or parsed (``int(i)``); integer scalars of
+    NumPy and jax still decode."""
+    ids = tok.encode("the cat")
+    assert tok.decode(np.asarray(ids, np.int32)) == tok.decode(list(jax.numpy.asarray(ids))) == "the cat"
+    for bad in (100.7, "5", True):
+        with pytest.raises(TypeError, match=rf"ids\[1\]={bad!r} is invalid: token ids must be integers"):
+            tok.decode([ids[0], bad])
+    with pytest.raises(ValueError, match=rf"ids\[0\]={tok.vocab_size} is outside the vocabulary"):
+        tok.decode([tok.vocab_size])
+
+
+def test_training_refuses_a_bare_string_and_non_string_documents():
+    with pytest.raises(TypeError, match="texts must be an iterable of str documents, got a str"):
+        train_bpe("the cat sat on the mat", 300)
+    with pytest.raises(TypeError, match=r"texts\[1\] is a int: every document must be a str"):
+        train_bpe(["the cat", 5], 300)
+
+
+def test_malformed_tokenizer_files_are_refused_with_their_path(tok, tmp_path):
+    good = tok.to_json()
+    cases = {
+        "not_json": "{",
+        "no_merges": {**good, "model": {k: v for k, v in good["model"].items() if k != "merges"}},
+        "triple_merge": {**good, "model": {**good["model"], "merges": ["a b c", *good["model"]["merges"]]}},
+        "no_bytes": {**good, "model": {**good["model"], "vocab": {"a": 0}, "merges": []}, "added_tokens": []},
+        "bad_added": {**good, "added_tokens": [{"content": "<x>"}]},
+    }
+    says = {
+        "not_json": "is not valid JSON",
+        "no_merges": "model.merges is missing",
+        "triple_merge": "not pairs of token strings, first: \\('a', 'b', 'c'\\)",
+        "no_bytes": "vocab lacks the byte symbols of 255 bytes",
+        "bad_added": r"added_tokens\[0\]=.* must have 'content' and 'id'",
+    }
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+        with pytest.raises(ValueError, match=says[name]) as err:
+            load_tokenizer(path)
+        assert str(path) in str(err.value), err.value
