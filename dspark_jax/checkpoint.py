@@ -27,13 +27,14 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig
+from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig, read_json_file
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
 
 CONFIG_NAME = "config.json"
 EMBED_NAME = "embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
+STS_NAME = "confidence_head.sts_temperature"
 _PREFIX = "model."
 
 Path = str | os.PathLike
@@ -93,9 +94,15 @@ class _TensorFiles:
         for path, names in stored.items():
             with safe_open(path, framework="numpy") as f:
                 present = set(f.keys())
+                shard = os.path.basename(path)
+                unlisted = sorted(present - set(names))
+                if unlisted:
+                    # Like load_target: a tensor the index does not map is not silently dropped.
+                    raise ValueError(
+                        f"tensor {unlisted[0]!r} is in shard {shard!r} but the index does not map it there"
+                    )
                 for raw in names:
                     if raw not in present:
-                        shard = os.path.basename(path)
                         raise ValueError(f"tensor {raw!r} is listed for {shard!r} but not stored in it")
                     name = raw[len(_PREFIX) :] if raw.startswith(_PREFIX) else raw
                     if name in self.location:
@@ -196,6 +203,39 @@ def _check_heads(cfg: DraftConfig, names: set[str]) -> None:
         )
 
 
+def _check_tables(target: Any, embed_tokens: Any, lm_head: Any) -> None:
+    """Refuses borrowed tables that are not arrays, before anything is read."""
+    for name, table in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+        where = name
+        if table is None and target is not None:
+            if not hasattr(target, name):
+                raise TypeError(
+                    f"target ({type(target).__name__}) has no {name}: it must be an object with embed_tokens and "
+                    f"lm_head [V', H] arrays (a Qwen3Target, for example), or pass {name}=... yourself"
+                )
+            table, where = getattr(target, name), f"target.{name}"
+        if table is not None and not isinstance(table, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{where} must be a [V', H] array (jax.Array or numpy.ndarray) or None, got {type(table).__name__}"
+            )
+
+
+def _check_sts_temperature(files: _TensorFiles) -> None:
+    """Refuses a stored STS temperature that is not finite and > 0.
+
+    The confidence is ``sigmoid(score / T)``: ``T = 0`` makes it 0, 1 or NaN, ``T < 0``
+    inverts it, a non-finite ``T`` flattens it to 0.5 or NaN.
+    """
+    if STS_NAME not in files.names:
+        return
+    values = np.asarray(files.get(STS_NAME), np.float64)
+    if not (np.all(np.isfinite(values)) and np.all(values > 0)):
+        raise ValueError(
+            f"tensor {STS_NAME!r} holds {values.tolist()}: every entry must be a finite number > 0 "
+            "(the confidence is sigmoid(score / temperature))"
+        )
+
+
 def _borrowed(
     cfg: DraftConfig,
     raw: dict[str, Any],
@@ -262,21 +302,26 @@ def load_draft(
       The draft, with the checkpoint's parameters and the borrowed tables.
 
     Raises:
-      ValueError: a bad config, a layout contradiction, a target that does not fit, a
-        head type that does not match the tensors, or missing, unexpected or misshapen
-        tensors (each named with the checkpoint's and the expected shape).
+      TypeError: ``embed_tokens`` or ``lm_head`` is not an array, or ``target`` lacks
+        ``embed_tokens`` / ``lm_head`` where they would be borrowed.
+      ValueError: a missing or malformed ``config.json`` (named with its path), a bad
+        config, a layout contradiction, a target that does not fit, a head type that
+        does not match the tensors, missing, unexpected or misshapen tensors (each named
+        with the checkpoint's and the expected shape), a shard holding a tensor its
+        index does not map there, or a ``confidence_head.sts_temperature`` that is not
+        finite and > 0.
     """
     folder = os.fspath(path)
     config_path = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise ValueError(f"checkpoint path {folder!r} has no {CONFIG_NAME}: expected a checkpoint folder")
-    with open(config_path) as f:
-        raw = json.load(f)
+    raw = read_json_file(config_path)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: must be one of {sorted(DTYPES)} or None (float32)")
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = DraftConfig.from_hf_config(raw, **overrides)
     _check_layout(cfg, raw, layout)
+    _check_tables(target, embed_tokens, lm_head)
     _check_target(cfg, target)
     files = _TensorFiles(folder)
     _check_heads(cfg, files.names)
@@ -290,7 +335,7 @@ def load_draft(
         name, transpose = tensor_name(keys)
         expected[name] = (keys, leaf, transpose)
     borrowed = {EMBED_NAME: embed, LM_HEAD_NAME: head}
-    optional = {"confidence_head.sts_temperature"}
+    optional = {STS_NAME}
 
     problems = []
     for name, (_, leaf, transpose) in sorted(expected.items()):
@@ -312,6 +357,7 @@ def load_draft(
         problems.append(f"unexpected tensor {name!r} with shape {_shape(files.shapes[name])}")
     if problems:
         raise ValueError(f"checkpoint {folder!r} does not match its config.json:\n  " + "\n  ".join(problems))
+    _check_sts_temperature(files)
 
     for name, (keys, leaf, transpose) in expected.items():
         if name in borrowed:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any
 
@@ -41,8 +42,32 @@ def _fail(field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (a Python int or any ``numbers.Integral``), bools excluded."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def normalise_numbers(cfg: Any) -> None:
+    """Turns NumPy scalars in a config's ``int`` and ``float`` fields into Python numbers.
+
+    Reads the dataclass's (string) annotations; values of any other type are left for
+    the config's checks to refuse. The dataclasses are frozen, hence ``object.__setattr__``.
+
+    Args:
+      cfg: a config dataclass, from its ``__post_init__``.
+    """
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool) or type(value) in (int, float):
+            continue
+        if f.type in ("int", "int | None") and is_integer(value):
+            object.__setattr__(cfg, f.name, int(value))
+        elif f.type == "float" and isinstance(value, numbers.Real):
+            object.__setattr__(cfg, f.name, float(value))
+
+
 def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         _fail(name, value, "must be an integer >= 1")
 
 
@@ -121,19 +146,37 @@ def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+def read_json_file(path: str | os.PathLike) -> Any:
+    """Parses a JSON file.
+
+    Raises:
+      ValueError: the file is not valid JSON (or not text), naming its path.
+    """
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
+
+
+def _read_json(path: str | os.PathLike) -> Any:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"config path {path!r} does not exist: expected a config.json or its folder")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_file(path)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetConfig:
-    """A dense Qwen3 target (Hugging Face ``Qwen3ForCausalLM`` fields)."""
+    """A dense Qwen3 target (Hugging Face ``Qwen3ForCausalLM`` fields).
+
+    NumPy integer and float scalars are accepted and stored as Python numbers.
+
+    Raises:
+      ValueError: a field is invalid, naming it, its value and what is allowed.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -151,6 +194,7 @@ class TargetConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        normalise_numbers(self)
         _check_common(self)
         _check_bool("tie_word_embeddings", self.tie_word_embeddings)
 
@@ -164,17 +208,33 @@ class TargetConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> TargetConfig:
-        """Builds the config from a Hugging Face Qwen3 ``config.json`` dict."""
+        """Builds the config from a Hugging Face Qwen3 ``config.json`` dict.
+
+        Args:
+          hf: the parsed ``config.json``.
+          **overrides: fields to set regardless of the file (``dtype`` for example).
+
+        Raises:
+          TypeError: ``hf`` is not a dict.
+          ValueError: a required field is missing or a value is invalid (a
+            ``tie_word_embeddings`` that is not a JSON boolean, for example).
+        """
         if not isinstance(hf, dict):
             raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
         kwargs = _transformer_kwargs(hf, "target config")
-        kwargs["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+        tie = hf.get("tie_word_embeddings")
+        # Strict, like every boolean field: bool("false") would be True.
+        kwargs["tie_word_embeddings"] = False if tie is None else tie
         kwargs.update(overrides)
         return cls(**kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> TargetConfig:
-        """Reads ``config.json`` from ``path`` (a file or its folder)."""
+        """Reads ``config.json`` from ``path`` (a file or its folder).
+
+        Raises:
+          ValueError: the file is missing or not valid JSON, or as :meth:`from_hf_config`.
+        """
         return cls.from_hf_config(_read_json(path), **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -193,6 +253,10 @@ class DraftConfig:
     ``hidden_size`` equals the target's (the draft borrows its embedding and lm_head).
     ``num_target_layers`` is the depth of the target the draft was trained for, or
     ``None`` when the checkpoint does not say (then it is checked on attaching a target).
+    NumPy integer and float scalars are accepted and stored as Python numbers.
+
+    Raises:
+      ValueError: a field is invalid, naming it, its value and what is allowed.
     """
 
     hidden_size: int
@@ -219,28 +283,21 @@ class DraftConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        normalise_numbers(self)
         _check_common(self)
         _check_positive_int("block_size", self.block_size)
-        if (
-            isinstance(self.mask_token_id, bool)
-            or not isinstance(self.mask_token_id, int)
-            or not 0 <= self.mask_token_id < self.vocab_size
-        ):
+        if not is_integer(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
             _fail(
                 "mask_token_id",
                 self.mask_token_id,
                 f"must be a token id inside the embedding, 0 <= id < vocab_size={self.vocab_size}",
             )
         ids = self.target_layer_ids
-        if isinstance(ids, list):
-            # Frozen: normalise a list to a tuple so the config stays hashable.
-            object.__setattr__(self, "target_layer_ids", tuple(ids))
-            ids = self.target_layer_ids
-        if (
-            not isinstance(ids, tuple)
-            or not ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-        ):
+        if isinstance(ids, (list, tuple)):
+            # Frozen: a list becomes a tuple (the config stays hashable), NumPy integers ints.
+            ids = tuple(int(i) if is_integer(i) else i for i in ids)
+            object.__setattr__(self, "target_layer_ids", ids)
+        if not isinstance(ids, tuple) or not ids or not all(is_integer(i) for i in ids):
             _fail("target_layer_ids", ids, "must be a non-empty sequence of integers")
         if any(b <= a for a, b in zip(ids[:-1], ids[1:], strict=True)):
             _fail("target_layer_ids", ids, "must be strictly increasing")
@@ -254,7 +311,7 @@ class DraftConfig:
                     ids,
                     f"must lie inside the target's depth, -1 <= id < num_target_layers={self.num_target_layers}",
                 )
-        if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+        if not is_integer(self.markov_rank) or self.markov_rank < 0:
             _fail("markov_rank", self.markov_rank, "must be an integer >= 0 (0 = DFlash-style, no Markov head)")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             _fail("markov_head_type", self.markov_head_type, f"must be one of {MARKOV_HEAD_TYPES}")
@@ -311,6 +368,11 @@ class DraftConfig:
           hf: the parsed ``config.json``.
           **overrides: fields to set regardless of the file (``dtype`` for example), in
             this class's terms (``block_size`` is γ).
+
+        Raises:
+          TypeError: ``hf`` is not a dict.
+          ValueError: a required field is missing, a value is invalid, or the file sets
+            ``rope_scaling`` (the draft implements plain RoPE).
         """
         if not isinstance(hf, dict):
             raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
@@ -328,7 +390,11 @@ class DraftConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> DraftConfig:
-        """Reads ``config.json`` from ``path`` (a file, or the checkpoint folder)."""
+        """Reads ``config.json`` from ``path`` (a file, or the checkpoint folder).
+
+        Raises:
+          ValueError: the file is missing or not valid JSON, or as :meth:`from_hf_config`.
+        """
         return cls.from_hf_config(_read_json(path), **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -349,7 +415,7 @@ class DraftConfig:
 
 def _gamma_from_rows(rows: Any, sample_from_anchor: Any) -> Any:
     """γ from a file's ``block_size`` (query rows; the DFlash layout counts the anchor)."""
-    if sample_from_anchor is not False or isinstance(rows, bool) or not isinstance(rows, int):
+    if sample_from_anchor is not False or not is_integer(rows):
         return rows
     if rows < 2:
         _fail(
@@ -357,11 +423,19 @@ def _gamma_from_rows(rows: Any, sample_from_anchor: Any) -> Any:
             rows,
             "a DFlash-layout config (sample_from_anchor=False) counts the anchor row, so it must be >= 2",
         )
-    return rows - 1
+    return int(rows) - 1
+
+
+def _check_no_rope_scaling(hf: dict[str, Any]) -> None:
+    """Refuses a ``rope_scaling`` entry: the draft's attention implements plain RoPE only."""
+    value = hf.get("rope_scaling")
+    if value is not None:
+        _fail("rope_scaling", value, "rope scaling is not supported (the draft implements plain RoPE); must be null")
 
 
 def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """Reads the DeepSpec form and the DFlash form with its nested ``dflash_config``."""
+    _check_no_rope_scaling(hf)
     kwargs = _transformer_kwargs(hf, "draft config")
     nested = hf.get("dflash_config") or {}
     if not isinstance(nested, dict):
@@ -393,6 +467,8 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     layer_cfg = hf.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise ValueError(f"speculators config needs a 'transformer_layer_config' dict, got {type(layer_cfg).__name__}")
+    _check_no_rope_scaling(hf)
+    _check_no_rope_scaling(layer_cfg)
     kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
     draft_vocab = hf.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != kwargs["vocab_size"]:
@@ -415,7 +491,7 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     if "aux_hidden_state_layer_ids" in hf:
         # Speculators count HF hidden_states (0 = embeddings); DeepSpec counts layers.
         ids = hf["aux_hidden_state_layer_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_integer(i) for i in ids):
             _fail("aux_hidden_state_layer_ids", ids, "must be a list of integers (HF hidden_states indices)")
         kwargs["target_layer_ids"] = tuple(i - 1 for i in ids)
     for name in (

@@ -24,11 +24,20 @@ def list_presets() -> list[str]:
 
 
 def preset_hf_config(name: str) -> dict[str, Any]:
-    """The preset's ``config.json`` dict (DeepSpec form)."""
+    """The preset's ``config.json`` dict (DeepSpec form).
+
+    Raises:
+      ValueError: ``name`` is not a preset, or its file is not valid JSON (named with
+        its path).
+    """
     names = list_presets()
     if name not in names:
         raise ValueError(f"preset={name!r} is unknown: must be one of {names}")
-    return json.loads((_folder() / f"{name}.json").read_text())
+    path = _folder() / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"preset file {str(path)!r} is not valid JSON: {e}") from e
 
 
 def load_preset(name: str, **overrides: Any) -> DraftConfig:
@@ -37,5 +46,8 @@ def load_preset(name: str, **overrides: Any) -> DraftConfig:
     Args:
       name: one of :func:`list_presets`.
       **overrides: fields to change (``dtype="bfloat16"`` for example).
+
+    Raises:
+      ValueError: as :func:`preset_hf_config`, or a bad override.
     """
     return DraftConfig.from_hf_config(preset_hf_config(name), **overrides)

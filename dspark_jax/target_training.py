@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import TargetConfig, normalise_numbers
 from dspark_jax.target import Qwen3Target
 from dspark_jax.train import (
     TrainResult,
@@ -40,7 +40,14 @@ from dspark_jax.train import (
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetTrainConfig:
-    """Hyper-parameters of :func:`train_target`."""
+    """Hyper-parameters of :func:`train_target`.
+
+    NumPy integer and float scalars are accepted and stored as Python numbers.
+
+    Raises:
+      TypeError: a float field (``lr``, ``weight_decay`` …) is not a number, naming it.
+      ValueError: a field is invalid, naming it, its value and what is allowed.
+    """
 
     steps: int = 3000
     batch_size: int = 64
@@ -54,6 +61,7 @@ class TargetTrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        normalise_numbers(self)
         check_schedule_fields(self, ("steps", "batch_size", "seq_len", "log_every"))
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} is invalid: a language-model window needs >= 2 tokens")
@@ -77,6 +85,14 @@ def make_target_train_step(graphdef, optimizer) -> Callable:
         return optax.apply_updates(params, updates), opt_state, loss
 
     return jax.jit(step, donate_argnums=(0, 2))
+
+
+def check_window_fits(cfg: TargetConfig, seq_len: int) -> None:
+    """Raises ``ValueError`` unless ``seq_len``-token training windows fit the target's positions."""
+    if seq_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={seq_len} exceeds the target's max_position_embeddings={cfg.max_position_embeddings}"
+        )
 
 
 def train_target(
@@ -104,10 +120,7 @@ def train_target(
     Returns:
       A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
     """
-    if tcfg.seq_len > cfg.max_position_embeddings:
-        raise ValueError(
-            f"seq_len={tcfg.seq_len} exceeds the target's max_position_embeddings={cfg.max_position_embeddings}"
-        )
+    check_window_fits(cfg, tcfg.seq_len)
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
@@ -175,10 +188,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``dspark-jax train-target``: tokenizer, training, checkpoint and ``training.json``.
+
+    Raises:
+      ValueError: the model or training settings are invalid (raised before the
+        tokenizer is trained and before anything is written).
+    """
     from dspark_jax.corpus import encode_documents, load_corpus
     from dspark_jax.target import save_target
     from dspark_jax.tokenizer import load_tokenizer, train_bpe
 
+    # Validate the settings before the tokenizer's BPE training (seconds) writes anything;
+    # the vocabulary size becomes the tokenizer's once it exists.
+    cfg = TargetConfig(
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.context,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+    )
+    tcfg = TargetTrainConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    check_window_fits(cfg, tcfg.seq_len)
     os.makedirs(args.out, exist_ok=True)
     corpus = load_corpus()
     train_texts = corpus.texts("train")
@@ -192,26 +234,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.save(tok_path)
     tokens = encode_documents(tokenizer, train_texts)
     print(f"tokenizer + encoding: {time.perf_counter() - t0:.1f} s, {tokens.size} training tokens", file=sys.stderr)
-    cfg = TargetConfig(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        vocab_size=tokenizer.vocab_size,
-        max_position_embeddings=args.context,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-    )
-    tcfg = TargetTrainConfig(
-        steps=args.steps,
-        batch_size=args.batch,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
-    )
+    cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     t0 = time.perf_counter()
     result = train_target(
         cfg,

@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.config import DraftConfig, TargetConfig
+from dspark_jax.config import DraftConfig, TargetConfig, is_integer, normalise_numbers, read_json_file
 
 CHECKPOINT_ARRAYS = "train_state.npz"
 CHECKPOINT_META = "train_state.json"
@@ -64,28 +65,50 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))
 
 
+def _check_number(name: str, value: Any) -> None:
+    """Raises ``TypeError`` unless ``value`` is a real number (Python or NumPy; not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} has type {type(value).__name__}: must be a number")
+
+
+def _check_weight(name: str, value: Any) -> None:
+    """Raises unless ``value`` is a finite number ``>= 0`` (a weight decay or a loss weight).
+
+    Raises:
+      TypeError: ``value`` is not a number.
+      ValueError: ``value`` is negative, NaN or infinite.
+    """
+    _check_number(name, value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}={value!r} is invalid: must be a finite number >= 0")
+
+
 def check_schedule_fields(cfg: Any, counts: tuple[str, ...]) -> None:
     """Validates the fields every trainer config shares.
 
     Args:
-      cfg: a trainer config with ``lr``, ``warmup_frac``, ``clip_norm`` and ``checkpoint_every``.
+      cfg: a trainer config with ``lr``, ``warmup_frac``, ``weight_decay``,
+        ``clip_norm``, ``seed`` and ``checkpoint_every``.
       counts: names of its fields that must be integers ``>= 1``.
 
     Raises:
+      TypeError: a float field (``lr``, ``warmup_frac``, ``weight_decay``, ``clip_norm``)
+        is not a number, naming it.
       ValueError: naming the first invalid field and what is allowed.
     """
-    for name in counts:
+    for name, minimum in [*((name, 1) for name in counts), ("checkpoint_every", 0), ("seed", 0)]:
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-    every = cfg.checkpoint_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(f"checkpoint_every={every!r} is invalid: must be an integer >= 0")
-    for name in ("lr", "clip_norm"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} is invalid: must be > 0")
+        if not is_integer(value) or value < minimum:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
+    for name in ("lr", "warmup_frac", "weight_decay", "clip_norm"):
+        _check_number(name, getattr(cfg, name))
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ValueError(f"lr={cfg.lr!r} is invalid: must be a finite number > 0")
+    if not cfg.clip_norm > 0:
+        raise ValueError(f"clip_norm={cfg.clip_norm!r} is invalid: must be > 0")
     if not 0 <= cfg.warmup_frac < 1:
         raise ValueError(f"warmup_frac={cfg.warmup_frac!r} is invalid: must lie in [0, 1)")
+    _check_weight("weight_decay", cfg.weight_decay)
 
 
 def optimizer_for(tcfg: Any) -> optax.GradientTransformation:
@@ -129,12 +152,16 @@ def save_train_state(path: str, tree: Any, meta: dict) -> None:
 
 
 def load_train_state(path: str, like: Any) -> tuple[Any, dict]:
-    """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``."""
+    """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``.
+
+    Raises:
+      ValueError: the checkpoint is missing, its metadata is not valid JSON, or its
+        arrays do not fit ``like``.
+    """
     meta_path = os.path.join(path, CHECKPOINT_META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"no training checkpoint in {path!r}: {CHECKPOINT_META} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_json_file(meta_path)
     leaves, treedef = jax.tree.flatten(like)
     if meta["num_leaves"] != len(leaves):
         raise ValueError(f"checkpoint {path!r} has {meta['num_leaves']} arrays; this model needs {len(leaves)}")
@@ -252,7 +279,16 @@ def fit(
 # --------------------------------------------------------------------------- the draft loss
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftTrainConfig:
-    """Hyper-parameters of :func:`train_draft` (defaults: DeepSpec's recipe, small batches)."""
+    """Hyper-parameters of :func:`train_draft` (defaults: DeepSpec's recipe, small batches).
+
+    NumPy integer and float scalars are accepted and stored as Python numbers.
+
+    Raises:
+      TypeError: a float field (``lr``, a loss weight, ``position_decay`` …) is not a
+        number, naming it.
+      ValueError: a field is invalid, naming it, its value and what is allowed; or every
+        loss weight is 0.
+    """
 
     steps: int = 2000
     batch_size: int = 16
@@ -271,7 +307,14 @@ class DraftTrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        normalise_numbers(self)
         check_schedule_fields(self, ("steps", "batch_size", "seq_len", "anchors_per_seq", "log_every"))
+        weights = ("ce_weight", "tv_weight", "confidence_weight")
+        for name in weights:
+            _check_weight(name, getattr(self, name))
+        if not any(getattr(self, name) > 0 for name in weights):
+            raise ValueError(f"{' = '.join(weights)} = 0 is invalid: at least one loss weight must be > 0")
+        _check_number("position_decay", self.position_decay)
         if not self.position_decay > 0:
             raise ValueError(f"position_decay={self.position_decay!r} is invalid: must be > 0")
 

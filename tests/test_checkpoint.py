@@ -16,7 +16,7 @@ import pytest
 from draft_testing import EMBED_ROWS, TINY, jit_apply, random_draft, rel_err, tiny_config
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from dspark_jax.cache import context_mask
 from dspark_jax.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_draft, save_draft
@@ -489,4 +489,44 @@ def test_an_index_that_names_absent_shards_or_tensors_is_refused(tmp_path):
     (tmp_path / INDEX_NAME).write_text(json.dumps(bad_name))
     message = "tensor 'model.extra.weight' is listed for 'part-0.safetensors' but not stored in it"
     with pytest.raises(ValueError, match=message):
+        load_draft(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, np.nan, np.inf], ids=["zero", "negative", "nan", "inf"])
+def test_sts_temperature_that_is_not_finite_and_positive_is_refused(bad, tmp_path):
+    temperature = np.array([1.0, bad, 1.5, 2.0], np.float32)
+    _broken(tmp_path, add={"confidence_head.sts_temperature": temperature})
+    message = f"tensor 'confidence_head.sts_temperature' holds {temperature.astype(np.float64).tolist()}"
+    with pytest.raises(ValueError, match=re.escape(message) + ".*finite number > 0"):
+        load_draft(tmp_path)
+
+
+def test_a_shard_holding_a_tensor_its_index_does_not_map_is_refused(tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf), shards=2)
+    shard = str(tmp_path / "part-0.safetensors")
+    save_file({**load_file(shard), "model.extra.weight": np.zeros(3, np.float32)}, shard)
+    with pytest.raises(ValueError, match="tensor 'model.extra.weight' is in shard 'part-0.safetensors' but the index"):
+        load_draft(tmp_path)
+
+
+def test_borrowed_tables_that_are_not_arrays_are_type_errors(tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
+    table = np.zeros((EMBED_ROWS, 32), np.float32)
+    with pytest.raises(TypeError, match=r"target \(SimpleNamespace\) has no embed_tokens: it must be an object with"):
+        load_draft(tmp_path, target=types.SimpleNamespace())
+    with pytest.raises(TypeError, match=r"target \(SimpleNamespace\) has no lm_head"):
+        load_draft(tmp_path, target=types.SimpleNamespace(embed_tokens=table))
+    with pytest.raises(TypeError, match=r"embed_tokens must be a \[V', H\] array .* got list"):
+        load_draft(tmp_path, embed_tokens=table.tolist())
+    with pytest.raises(TypeError, match=r"target.lm_head must be a \[V', H\] array .* got str"):
+        load_draft(tmp_path, target=types.SimpleNamespace(embed_tokens=table, lm_head="table"))
+    # A target without tables is fine when the caller passes both.
+    load_draft(tmp_path, target=types.SimpleNamespace(), embed_tokens=table, lm_head=table)
+
+
+def test_malformed_config_json_is_named_with_its_path(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(f"{str(tmp_path / 'config.json')!r} is not valid JSON")):
         load_draft(tmp_path)

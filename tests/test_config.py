@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from draft_testing import TINY, tiny_config
 
@@ -240,3 +241,51 @@ def test_from_hf_config_names_missing_fields_and_wrong_types(tmp_path):
         DraftConfig.from_hf_config([])
     with pytest.raises(ValueError, match="does not exist: expected a config.json or its folder"):
         DraftConfig.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: deepspec_dict(rope_scaling={"type": "yarn", "factor": 4}),
+        lambda: speculators_dict(
+            transformer_layer_config={**QWEN3_8B, "num_hidden_layers": 5, "rope_scaling": {"type": "yarn", "factor": 4}}
+        ),
+    ],
+    ids=["deepspec", "speculators"],
+)
+def test_rope_scaling_in_a_draft_file_is_refused_not_ignored(make):
+    with pytest.raises(ValueError, match=_message("rope_scaling", {"type": "yarn", "factor": 4}, "not supported")):
+        DraftConfig.from_hf_config(make())
+    assert DraftConfig.from_hf_config(deepspec_dict(rope_scaling=None)) == DraftConfig.from_hf_config(deepspec_dict())
+
+
+def test_target_from_hf_config_reads_tie_word_embeddings_strictly():
+    hf = {**QWEN3_8B, "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match=_message("tie_word_embeddings", "false", "True or False")):
+        TargetConfig.from_hf_config({**hf, "tie_word_embeddings": "false"})
+    assert TargetConfig.from_hf_config({**hf, "tie_word_embeddings": True}).tie_word_embeddings is True
+    assert TargetConfig.from_hf_config({**hf, "tie_word_embeddings": None}).tie_word_embeddings is False
+    assert TargetConfig.from_hf_config(hf).tie_word_embeddings is False
+
+
+def test_numpy_scalars_are_accepted_and_stored_as_python_numbers():
+    as_numpy = {k: np.int64(v) if type(v) is int else v for k, v in TINY.items()}
+    as_numpy["rope_theta"] = np.float32(10_000.0)
+    as_numpy["target_layer_ids"] = tuple(np.int64(i) for i in TINY["target_layer_ids"])
+    cfg = DraftConfig(**as_numpy)
+    assert cfg == tiny_config(rope_theta=10_000.0)
+    assert type(cfg.mask_token_id) is int and type(cfg.vocab_size) is int and type(cfg.rope_theta) is float
+    assert all(type(i) is int for i in cfg.target_layer_ids)
+    json.dumps(cfg.to_hf_config())  # NumPy scalars would not serialise
+    target = TargetConfig(**{**{k: np.int64(v) for k, v in QWEN3_8B.items() if type(v) is int}, "num_hidden_layers": 2})
+    assert type(target.hidden_size) is int and target.head_dim == 128
+    # A DFlash-layout file's block_size counts the anchor row, NumPy integer or not.
+    assert DraftConfig.from_hf_config(deepspec_dict(sample_from_anchor=False, block_size=np.int64(8))).gamma == 7
+
+
+def test_malformed_config_json_is_named_with_its_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    for read in (DraftConfig.from_pretrained, TargetConfig.from_pretrained):
+        with pytest.raises(ValueError, match=re.escape(f"{str(path)!r} is not valid JSON")):
+            read(tmp_path)

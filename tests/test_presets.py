@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import pytest
@@ -101,3 +102,12 @@ def test_8b_preset_builds_abstractly_with_the_closed_form_parameter_count():
     assert counted == closed_form_trainable_params(cfg)
     # 5 × 192,946,432 (layers) + 83,886,080 (fc) + 8,192 (norms) + 77,791,232 (Markov) + 4,353 (confidence)
     assert counted == 1_126_422_017
+
+
+def test_a_malformed_preset_file_is_named_with_its_path(tmp_path, monkeypatch):
+    from dspark_jax import presets
+
+    (tmp_path / "broken.json").write_text("{not json")
+    monkeypatch.setattr(presets, "_folder", lambda: tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"preset file {str(tmp_path / 'broken.json')!r} is not valid JSON")):
+        load_preset("broken")

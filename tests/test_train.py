@@ -1,6 +1,7 @@
 """The draft and target trainers, the corpus, and the loss against NumPy references."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from dspark_jax.train import (
     default_draft_config,
     draft_blocks,
     draft_loss,
+    load_train_state,
     lr_schedule,
     train_draft,
 )
@@ -276,3 +278,79 @@ def test_the_real_standard_library_corpus_is_found():
     corpus = load_corpus()
     assert len(corpus.train_files) > 100 and len(corpus.heldout_files) > 10
     assert not any("/test/" in f or f.startswith("test/") for f in corpus.train_files)
+
+
+# --------------------------------------------------------------------------- config validation
+def test_numpy_integer_and_float_settings_are_stored_as_python_numbers():
+    tcfg = _tcfg(steps=np.int64(5), seed=np.int64(3), checkpoint_every=np.int32(2), lr=np.float32(0.5))
+    assert (tcfg.steps, tcfg.seed, tcfg.checkpoint_every, tcfg.lr) == (5, 3, 2, 0.5)
+    assert type(tcfg.steps) is int and type(tcfg.seed) is int and type(tcfg.lr) is float
+    target_cfg = TargetTrainConfig(steps=np.int64(7), batch_size=np.uint8(4))
+    assert (target_cfg.steps, target_cfg.batch_size) == (7, 4) and type(target_cfg.batch_size) is int
+
+
+@pytest.mark.parametrize("make", [_tcfg, TargetTrainConfig], ids=["draft", "target"])
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("weight_decay", -0.1, "must be a finite number >= 0"),
+        ("weight_decay", float("nan"), "must be a finite number >= 0"),
+        ("seed", -1, "must be an integer >= 0"),
+        ("seed", 1.5, "must be an integer >= 0"),
+        ("lr", float("inf"), "must be a finite number > 0"),
+    ],
+)
+def test_trainer_configs_refuse_bad_shared_settings(make, field, value, allowed):
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is invalid: {allowed}")):
+        make(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("ce_weight", -1.0), ("tv_weight", float("nan")), ("confidence_weight", float("inf"))],
+)
+def test_loss_weights_must_be_finite_and_non_negative(field, value):
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is invalid: must be a finite number >= 0")):
+        _tcfg(**{field: value})
+
+
+def test_all_zero_loss_weights_are_refused():
+    with pytest.raises(ValueError, match="at least one loss weight must be > 0"):
+        _tcfg(ce_weight=0.0, tv_weight=0.0, confidence_weight=0)
+    assert _tcfg(ce_weight=0.0, tv_weight=1.0, confidence_weight=0.0).tv_weight == 1.0
+
+
+@pytest.mark.parametrize("field", ["lr", "position_decay", "weight_decay", "warmup_frac", "tv_weight"])
+def test_non_numeric_float_settings_are_type_errors_naming_the_field(field):
+    with pytest.raises(TypeError, match=re.escape(f"{field}='4' has type str: must be a number")):
+        _tcfg(**{field: "4"})
+    with pytest.raises(TypeError, match=re.escape("lr='1e-3' has type str: must be a number")):
+        TargetTrainConfig(lr="1e-3")
+
+
+def test_train_target_checks_the_model_shape_before_training_a_tokenizer(tmp_path, monkeypatch):
+    import argparse
+
+    from dspark_jax import target_training
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the corpus was read before the settings were checked")
+
+    monkeypatch.setattr("dspark_jax.corpus.load_corpus", must_not_run)
+    monkeypatch.setattr("dspark_jax.tokenizer.train_bpe", must_not_run)
+    parser = argparse.ArgumentParser()
+    target_training.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--out", str(out), "--heads", "3", "--kv-heads", "2"])
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 is invalid: must divide num_attention_heads=3"):
+        target_training.run(args)
+    args = parser.parse_args(["--out", str(out), "--seq-len", "600", "--context", "512"])
+    with pytest.raises(ValueError, match="seq_len=600 exceeds the target's max_position_embeddings=512"):
+        target_training.run(args)
+    assert not out.exists()
+
+
+def test_a_malformed_training_checkpoint_is_named_with_its_path(tmp_path):
+    (tmp_path / "train_state.json").write_text("{")
+    with pytest.raises(ValueError, match=re.escape(f"{str(tmp_path / 'train_state.json')!r} is not valid JSON")):
+        load_train_state(str(tmp_path), {})
