@@ -509,7 +509,20 @@ def evaluate_draft(
     Returns:
       Mean ``ce``, ``tv``, ``bce``, ``tau_t1``, ``tau_greedy`` and per-slot ``accept_t1`` /
       ``match_greedy`` lists.
+
+    Raises:
+      ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
+        anchor's block, or a bad token stream.
     """
+    for name, value in (("batches", batches), ("batch_size", batch_size)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    shortest = draft.cfg.num_query_rows + 2  # room for one anchor and its block of query rows
+    if not is_integer(seq_len) or seq_len < shortest:
+        raise ValueError(
+            f"seq_len={seq_len!r} is invalid: must be an integer >= {shortest} (one anchor and the draft's "
+            f"{draft.cfg.num_query_rows} query rows)"
+        )
     tokens = check_token_stream(tokens, seq_len, draft.cfg.vocab_size)
     dgraph, dstate = nnx.split(draft)
     tgraph, tstate = nnx.split(target)
@@ -548,9 +561,16 @@ def distillation_data(
 
     Returns:
       ``[count, seq_len]`` int32.
+
+    Raises:
+      ValueError: ``count`` or ``batch`` below 1, ``prompt_len`` outside 1..seq_len-1, or a
+        bad token stream.
     """
     from dspark_jax.generation import generate
 
+    for name, value in (("count", count), ("batch", batch)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"prompt_len={prompt_len!r} is invalid: must lie in 1..seq_len-1={seq_len - 1}")
     tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)

@@ -18,8 +18,10 @@ from dspark_jax.train import (
     block_loss_terms,
     check_draft_fits,
     default_draft_config,
+    distillation_data,
     draft_blocks,
     draft_loss,
+    evaluate_draft,
     load_train_state,
     lr_schedule,
     train_draft,
@@ -225,6 +227,23 @@ def test_empty_corpus_and_short_sequences_are_refused(target):
         train_draft(target, DRAFT_CFG, TOKENS + VOCAB, _tcfg(), progress=False)
     with pytest.raises(ValueError, match="steps"):
         _tcfg(steps=0)
+
+
+def test_evaluation_and_distillation_sizes_are_refused_by_name(target):
+    """A ``seq_len`` with no room for one anchor's block used to divide by zero; zero or
+    negative counts failed deep inside NumPy."""
+    draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(0))
+    shortest = DRAFT_CFG.num_query_rows + 2
+    with pytest.raises(ValueError, match=f"seq_len={shortest - 1} is invalid: must be an integer >= {shortest}"):
+        evaluate_draft(draft, target, TOKENS, batches=1, batch_size=1, seq_len=shortest - 1)
+    for name in ("batches", "batch_size"):
+        with pytest.raises(ValueError, match=f"{name}=0 is invalid: must be an integer >= 1"):
+            evaluate_draft(draft, target, TOKENS, seq_len=24, **{name: 0})
+    out = evaluate_draft(draft, target, TOKENS, batches=1, batch_size=2, seq_len=shortest)
+    assert len(out["accept_t1"]) == DRAFT_CFG.gamma and np.isfinite(out["ce"])
+    for name, value in (("count", -3), ("batch", 0)):
+        with pytest.raises(ValueError, match=f"{name}={value} is invalid: must be an integer >= 1"):
+            distillation_data(target, TOKENS, seq_len=12, prompt_len=4, **{"count": 2, name: value})
 
 
 # --------------------------------------------------------------------------- corpus
