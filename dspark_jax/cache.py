@@ -12,6 +12,10 @@ bonus and the accepted drafts) become context: their fused target features are
 projected through the draft and written at positions ``prefix_len + 0..commit_len−1``,
 and ``prefix_len`` advances by ``commit_len``. The features of rejected drafts are never
 written.
+
+Per-row values (positions, counts, lengths) are not range-checked: the writes are jittable,
+so a value cannot raise. What out-of-range values do is stated on each function; their
+shapes and dtypes are static and checked while tracing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dspark_jax.config import DraftConfig
+from dspark_jax.config import DraftConfig, is_integer
+from dspark_jax.sampling import dtype_of
 
 if TYPE_CHECKING:
     from dspark_jax.draft import DSparkDraft
@@ -45,13 +50,56 @@ class ContextCache:
         return self.k.shape[1]
 
 
-def init_context_cache(cfg: DraftConfig, batch: int, capacity: int, dtype=None) -> ContextCache:
-    """An empty cache of ``batch`` request slots with ``capacity`` positions each."""
-    for name, value in (("batch", batch), ("capacity", capacity)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer (not a bool) ``>= 1``.
+
+    Raises:
+      ValueError: ``value`` is anything else (the message names ``name``).
+    """
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    return int(value)
+
+
+def resolve_cache_dtype(cfg: DraftConfig, dtype: Any = None, *, name: str = "dtype") -> jnp.dtype:
+    """The context cache's dtype: ``dtype``, or the draft's compute dtype when None.
+
+    Raises:
+      TypeError: ``dtype`` is not a floating dtype (the message names ``name``).
+    """
+    if dtype is None:
+        return jnp.dtype(cfg.jnp_dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}={dtype!r} is invalid: must be a floating dtype (float32, bfloat16, …)") from None
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise TypeError(
+            f"{name}={resolved} is invalid: must be a floating dtype (float32, bfloat16, …) for the draft's context "
+            "keys and values"
+        )
+    return resolved
+
+
+def init_context_cache(cfg: DraftConfig, batch: int, capacity: int, dtype: Any = None) -> ContextCache:
+    """An empty cache of ``batch`` request slots with ``capacity`` positions each.
+
+    Args:
+      cfg: the draft config.
+      batch: request slots (a Python or NumPy integer >= 1).
+      capacity: positions per slot (a Python or NumPy integer >= 1).
+      dtype: a floating dtype; default the draft's compute dtype.
+
+    Returns:
+      The zero-filled :class:`ContextCache`, ``[L, batch, capacity, KVH, D]``.
+
+    Raises:
+      ValueError: ``batch`` or ``capacity`` is not an integer >= 1.
+      TypeError: ``dtype`` is not a floating dtype.
+    """
+    batch, capacity = positive_int("batch", batch), positive_int("capacity", capacity)
+    dtype = resolve_cache_dtype(cfg, dtype)
     shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = dtype or cfg.jnp_dtype
     return ContextCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -59,20 +107,29 @@ def write_context(cache: ContextCache, k: jax.Array, v: jax.Array, start: jax.Ar
     """Writes the first ``count[b]`` of ``N`` new entries at positions ``start[b] + i``.
 
     Entries at ``i >= count[b]`` and positions past the capacity are dropped, so the
-    rows outside the committed range are never touched.
+    rows outside the committed range are never touched. Values are not checked (jittable):
+    ``count <= 0`` writes nothing, ``count > N`` writes all ``N``, and a negative position
+    counts from the end of the slot as in NumPy indexing (``start`` must be ``>= 0``).
 
     Args:
       cache: the cache.
-      k, v: ``[L, B, N, KVH, D]`` new keys / values.
-      start: ``[B]`` first position to write.
-      count: ``[B]`` number of entries to write (``0 <= count <= N``).
+      k, v: ``[L, B, N, KVH, D]`` new keys / values (``L``, ``B``, ``KVH``, ``D`` the cache's).
+      start: ``[B]`` int first position to write.
+      count: ``[B]`` int number of entries to write (``0 <= count <= N``).
 
     Returns:
       The updated cache.
+
+    Raises:
+      ValueError: a shape does not match the cache (checked while tracing).
+      TypeError: ``start`` or ``count`` is not of an integer dtype (bool and float are refused:
+        they would be truncated silently).
     """
+    _check_kv(cache, k, v)
+    _check_rows(cache, {"start": start, "count": count})
     n = k.shape[2]
-    idx = start.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, N]
-    keep = jnp.arange(n)[None, :] < count[:, None]
+    idx = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, N]
+    keep = jnp.arange(n)[None, :] < jnp.asarray(count)[:, None]
     idx = jnp.where(keep, idx, cache.capacity)  # out of range -> dropped
     rows = jnp.arange(cache.batch)[:, None]
 
@@ -94,25 +151,28 @@ def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Arr
       draft: a :class:`~dspark_jax.draft.DSparkDraft`.
       cache: the context cache.
       features: ``[B, N, K·H]`` fused target features of tokens at ``start + 0..N−1``.
-      start: ``[B]`` position of the first feature row.
-      count: ``[B]`` rows to commit.
+      start: ``[B]`` int position of the first feature row.
+      count: ``[B]`` int rows to commit; out-of-range values as in :func:`write_context`.
 
     Returns:
       The updated cache.
 
     Raises:
       ValueError: a shape does not match (checked while tracing: every shape is static).
+      TypeError: ``start`` or ``count`` is not of an integer dtype.
     """
     _check_features(draft.cfg, cache, features, {"start": start, "count": count})
     n = features.shape[1]
-    positions = start.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)
+    positions = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)
     k, v = draft.context_kv(features, positions)
     return write_context(cache, k, v, start, count)
 
 
-def _check_features(cfg, cache: ContextCache, features: Any, rows: dict[str, Any]) -> None:
+def _check_features(
+    cfg, cache: ContextCache, features: Any, rows: dict[str, Any], masks: dict[str, Any] | None = None
+) -> None:
     """``features`` must be ``[B, N, K·H]`` for the cache's ``B`` slots and the draft's ``K·H``,
-    and each of ``rows`` ``[B]``; raises ``ValueError`` naming the field otherwise."""
+    and ``rows`` and ``masks`` as :func:`_check_rows` says; raises naming the field otherwise."""
     width = cfg.num_fused_layers * cfg.hidden_size
     shape = tuple(np.shape(features))
     if len(shape) != 3 or shape[0] != cache.batch or shape[2] != width:
@@ -120,9 +180,38 @@ def _check_features(cfg, cache: ContextCache, features: Any, rows: dict[str, Any
             f"features has shape {shape}: expected [B, N, K·H] with B={cache.batch} (the cache's request slots) and "
             f"K·H={width} ({cfg.num_fused_layers} target layers × hidden size {cfg.hidden_size})"
         )
-    for name, value in rows.items():
+    _check_rows(cache, rows, masks)
+
+
+def _check_rows(cache: ContextCache, rows: dict[str, Any], masks: dict[str, Any] | None = None) -> None:
+    """Each of ``rows`` must be ``[B]`` of an integer dtype, each of ``masks`` ``[B]`` bool (``B``
+    the cache's slots); raises ``ValueError`` (shape) or ``TypeError`` (dtype) naming the field."""
+    masks = masks or {}
+    for name, value in (*rows.items(), *masks.items()):
         if tuple(np.shape(value)) != (cache.batch,):
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = ({cache.batch},)")
+    for name, value in rows.items():
+        # a float or bool position or count would be truncated silently by the write
+        if not jnp.issubdtype(dtype_of(value), jnp.integer):
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype (int32, int64, uint32, …)")
+    for name, value in masks.items():
+        if dtype_of(value) != np.bool_:
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected bool")
+
+
+def _check_kv(cache: ContextCache, k: Any, v: Any) -> None:
+    """``k`` and ``v`` must be the same ``[L, B, N, KVH, D]`` with the cache's ``L``, ``B``, ``KVH``
+    and ``D`` (a smaller ``L`` or ``B`` would otherwise be broadcast over the cache silently)."""
+    layers, batch, _, heads, dim = cache.k.shape
+    for name, value in (("k", k), ("v", v)):
+        shape = tuple(np.shape(value))
+        if len(shape) != 5 or shape[:2] != (layers, batch) or shape[3:] != (heads, dim):
+            raise ValueError(
+                f"{name} has shape {shape}: expected [L, B, N, KVH, D] with the cache's L={layers}, B={batch}, "
+                f"KVH={heads}, D={dim}"
+            )
+    if np.shape(k) != np.shape(v):
+        raise ValueError(f"k has shape {tuple(np.shape(k))} and v {tuple(np.shape(v))}: expected the same shape")
 
 
 def commit(
@@ -140,28 +229,34 @@ def commit(
       draft: the :class:`~dspark_jax.draft.DSparkDraft` (merged module).
       cache: the draft context cache.
       features: ``[B, T, K·H]`` target features of the verified ``[bonus, d_1 … d_γ]``.
-      prefix_lens: ``[B]`` position of the bonus (context length before this round).
-      correct_len: ``[B]`` accepted drafts per row, ``0 <= correct_len <= γ``.
+      prefix_lens: ``[B]`` int position of the bonus (context length before this round).
+      correct_len: ``[B]`` int accepted drafts per row, ``0 <= correct_len <= γ``.
       active: ``[B]`` bool; rows where it is False (finished requests) are left
         unchanged. All rows when omitted.
+
+    Values are not checked (jittable). ``new_prefix_lens = prefix_lens + correct_len + 1`` on
+    active rows whatever the values: positions at or past the capacity are not written (the
+    returned length may then exceed the capacity; :func:`~dspark_jax.proposal.propose`
+    needs ``prefix_len <= capacity − γ``), ``correct_len > T − 1`` writes the ``T`` features,
+    and a negative ``correct_len`` writes nothing and moves the length back by
+    ``−(correct_len + 1)``.
 
     Returns:
       ``(cache, new_prefix_lens [B] int32)``.
 
     Raises:
       ValueError: a shape does not match (checked while tracing).
+      TypeError: ``prefix_lens`` or ``correct_len`` is not of an integer dtype (bool and float
+        are refused: they would be truncated silently), or ``active`` is not bool.
     """
-    rows = {
-        "prefix_lens": prefix_lens,
-        "correct_len": correct_len,
-        **({"active": active} if active is not None else {}),
-    }
-    _check_features(draft.cfg, cache, features, rows)
-    count = correct_len.astype(jnp.int32) + 1  # [B] commit_len
+    masks = {"active": active} if active is not None else {}
+    _check_features(draft.cfg, cache, features, {"prefix_lens": prefix_lens, "correct_len": correct_len}, masks)
+    count = jnp.asarray(correct_len, jnp.int32) + 1  # [B] commit_len
     if active is not None:
         count = jnp.where(active, count, 0)
-    cache = fill_context(draft, cache, features, prefix_lens.astype(jnp.int32), count)
-    return cache, prefix_lens.astype(jnp.int32) + count
+    prefix_lens = jnp.asarray(prefix_lens, jnp.int32)
+    cache = fill_context(draft, cache, features, prefix_lens, count)
+    return cache, prefix_lens + count
 
 
 def prefill(draft: DSparkDraft, cache: ContextCache, features: jax.Array, lengths: jax.Array) -> ContextCache:
@@ -171,14 +266,18 @@ def prefill(draft: DSparkDraft, cache: ContextCache, features: jax.Array, length
       draft: the :class:`~dspark_jax.draft.DSparkDraft`.
       cache: the draft context cache.
       features: ``[B, S, K·H]`` target features of the right-padded prompts.
-      lengths: ``[B]`` prompt lengths; padding rows past them are not written.
+      lengths: ``[B]`` int prompt lengths; padding rows past them are not written.
+        Values are not checked (jittable): a length above ``S`` writes the ``S`` rows,
+        positions past the capacity are dropped, a negative length writes nothing.
 
     Returns:
       The cache; the requests' ``prefix_lens`` are ``lengths``.
 
     Raises:
       ValueError: a shape does not match (checked while tracing).
+      TypeError: ``lengths`` is not of an integer dtype (bool and float are refused: they
+        would be truncated silently).
     """
     _check_features(draft.cfg, cache, features, {"lengths": lengths})
-    start = jnp.zeros_like(lengths, dtype=jnp.int32)
-    return fill_context(draft, cache, features, start, lengths.astype(jnp.int32))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return fill_context(draft, cache, features, jnp.zeros_like(lengths), lengths)

@@ -103,8 +103,8 @@ def check_shapes(
     Raises:
       ValueError: a shape does not match.
       TypeError: ``bonus``, ``prefix_lens``, ``top_k`` or ``slots`` is not of an integer
-        dtype, ``temperatures`` of neither a float nor an integer one, or ``key`` is not an
-        allowed key.
+        dtype, ``temperatures`` of neither a float nor an integer one, the cache's keys or
+        values not of a floating dtype, or ``key`` is not an allowed key.
     """
     if not isinstance(cache, ContextCache):
         raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
@@ -137,6 +137,11 @@ def check_shapes(
     temps_dtype = dtype_of(temperatures)
     if not (jnp.issubdtype(temps_dtype, jnp.floating) or jnp.issubdtype(temps_dtype, jnp.integer)):
         raise TypeError(f"temperatures has dtype {temps_dtype}: expected a float dtype")
+    for name in ("k", "v"):
+        # the draft attends over them: integer keys and values draft meaningless tokens
+        dtype = dtype_of(getattr(cache, name))
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"cache.{name} has dtype {dtype}: expected a floating dtype (float32, bfloat16, …)")
     key_rows(key, batch)
     return batch
 
@@ -477,6 +482,9 @@ def propose_with(
 
     Returns:
       The :class:`DraftBlock`.
+
+    Raises:
+      ValueError, TypeError: a shape or dtype is wrong (:func:`check_shapes`, while tracing).
     """
     check_shapes(
         draft.cfg,
@@ -523,6 +531,9 @@ def propose(
 
     Returns:
       The :class:`DraftBlock`.
+
+    Raises:
+      ValueError, TypeError: a shape or dtype is wrong (:func:`check_shapes`, while tracing).
     """
     return propose_with(
         nnx.merge(graphdef, state),
@@ -650,11 +661,14 @@ def propose_eager(
 
     Args:
       draft: the draft module.
-      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds,
-        slots: as in :func:`propose_with`.
+      cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, input_embeds: as in
+        :func:`propose_with`.
 
     Returns:
       The :class:`DraftBlock`.
+
+    Raises:
+      ValueError, TypeError: a value, shape or dtype is wrong (:func:`validate_proposal_inputs`).
     """
     validate_proposal_inputs(draft.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
     graphdef, state = nnx.split(draft)

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cache import ContextCache
+from dspark_jax.cache import ContextCache, positive_int, resolve_cache_dtype
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.memory_gate import (
@@ -147,9 +147,12 @@ class CompileCounter:
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """``(1, 2, 4, …, max_batch)``: powers of two below ``max_batch``, then ``max_batch``."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch={max_batch!r} is invalid: must be an integer >= 1")
+    """``(1, 2, 4, …, max_batch)``: powers of two below ``max_batch``, then ``max_batch``.
+
+    Raises:
+      ValueError: ``max_batch`` is not an integer >= 1 (a Python or NumPy integer).
+    """
+    max_batch = positive_int("max_batch", max_batch)
     out, b = [], 1
     while b < max_batch:
         out.append(b)
@@ -312,10 +315,12 @@ class Proposer:
 
         Args:
           draft: the draft module (split once; later changes to it are not seen).
-          max_batch: the largest batch.
+          max_batch: the largest batch (a Python or NumPy integer, as are ``capacity`` and
+            ``num_slots``).
           capacity: ``C``, positions per cache slot.
-          num_slots: ``S``, request slots of the cache (default ``max_batch``).
-          cache_dtype: the cache dtype (default the draft's compute dtype).
+          num_slots: ``S``, request slots of the cache (default ``max_batch``); a call
+            without ``slots`` drafts slots ``0..B−1``, so it needs ``B <= S``.
+          cache_dtype: the cache's floating dtype (default the draft's compute dtype).
           folded_sampling: gate mode; None reads ``DSPARK_JAX_FOLDED_SAMPLING`` (default AUTO).
           free_bytes: free memory for the gate; measured when None.
           headroom: bytes the gate keeps free.
@@ -331,8 +336,9 @@ class Proposer:
             that is set at the first compile; False keeps none.
 
         Raises:
-          ValueError: bad ``capacity`` or ``num_slots``.
-          TypeError: ``executable_store`` is not a path, None or False.
+          ValueError: bad ``max_batch``, ``capacity`` or ``num_slots``.
+          TypeError: ``executable_store`` is not a path, None or False, or ``cache_dtype`` is
+            not a floating dtype.
         """
         if executable_store is True or not (
             executable_store is None or executable_store is False or isinstance(executable_store, str | os.PathLike)
@@ -345,16 +351,14 @@ class Proposer:
         self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
         self.cfg = draft.cfg
         self.buckets = batch_buckets(max_batch)
-        self.max_batch = max_batch
-        num_slots = max_batch if num_slots is None else num_slots
-        for name, value in (("capacity", capacity), ("num_slots", num_slots)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        self.max_batch = self.buckets[-1]
+        capacity = positive_int("capacity", capacity)
+        num_slots = self.max_batch if num_slots is None else positive_int("num_slots", num_slots)
         if capacity < self.cfg.gamma:
             raise ValueError(f"capacity={capacity} is too small: must be >= gamma={self.cfg.gamma}")
         cfg = self.cfg
         self.cache_shape = (cfg.num_hidden_layers, num_slots, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        self.cache_dtype = jnp.dtype(cache_dtype or cfg.jnp_dtype)
+        self.cache_dtype = resolve_cache_dtype(cfg, cache_dtype, name="cache_dtype")
         self.graphdef, self.state = nnx.split(draft)
         self._split = SplitRound(draft)
         self._free_bytes = free_bytes
@@ -707,7 +711,8 @@ class Proposer:
           temperatures: ``[B]`` float (0 = greedy).
           top_k: ``[B]`` int (``<= 1`` = greedy).
           key: one PRNG key (typed or raw) or per-row keys ``[B]``.
-          slots: ``[B]`` cache slot of each row (default ``0..B−1``).
+          slots: ``[B]`` cache slot of each row (default ``0..B−1``, which needs
+            ``B <= num_slots``).
           sampling: which round to run: True the sampling-capable one (also right for
             greedy rows), False the greedy-only one (a sampling row is then refused), None
             (default) decided from the rows.
@@ -718,8 +723,9 @@ class Proposer:
 
         Raises:
           ValueError, TypeError: bad inputs (see :func:`~dspark_jax.proposal.validate_proposal_inputs`),
-            a cache of another shape or dtype than this Proposer's, ``sampling`` not a bool
-            or None, or ``sampling=False`` with a sampling row.
+            a cache of another shape or dtype than this Proposer's, more rows than
+            ``num_slots`` without ``slots``, ``sampling`` not a bool or None, or
+            ``sampling=False`` with a sampling row.
         """
         if sampling is not None and not isinstance(sampling, bool | np.bool_):
             raise TypeError(f"sampling={sampling!r} is invalid: must be True, False or None (decided from the rows)")
@@ -867,8 +873,8 @@ class Proposer:
           temps: ``[B]`` float32 temperatures as packed, or None.
 
         Raises:
-          ValueError, TypeError: as ``validate_proposal_inputs``, or a cache of another
-            shape or dtype than this Proposer's.
+          ValueError, TypeError: as ``validate_proposal_inputs``, a cache of another shape
+            or dtype than this Proposer's, or more rows than ``num_slots`` without ``slots``.
         """
         cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
         columns = [np.asarray(v) for v in (slots, bonus, prefix_lens, top_k) if v is not None]
@@ -888,6 +894,13 @@ class Proposer:
             if ((ints >= 0) & (ints <= self._limits)).all() and ((temps >= 0) & (temps < np.inf)).all():
                 return
         rows = np.shape(bonus)[0] if np.ndim(bonus) == 1 else 0
+        num_slots = self.cache_shape[1]
+        if slots is None and num_slots < rows <= self.max_batch:
+            raise ValueError(
+                f"batch size B={rows} (len(bonus)) is too large for a call without slots: its rows use cache slots "
+                f"0..B-1, and this Proposer's cache has num_slots={num_slots}; pass slots ([B] slot ids in "
+                f"[0, {num_slots}))"
+            )
         validate_proposal_inputs(  # raises for what was refused above
             self.cfg,
             cache,

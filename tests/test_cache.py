@@ -62,3 +62,61 @@ def test_fill_context_stores_the_reference_context_keys_and_values():
 def test_init_context_cache_rejects_bad_sizes(batch, capacity):
     with pytest.raises(ValueError, match="is invalid: must be an integer >= 1"):
         init_context_cache(tiny_config(), batch=batch, capacity=capacity)
+
+
+def test_init_context_cache_takes_numpy_integer_sizes():
+    cache = init_context_cache(tiny_config(), batch=np.int64(2), capacity=np.int32(6))
+    assert cache.k.shape[1:3] == (2, 6) and type(cache.batch) is int
+
+
+@pytest.mark.parametrize(
+    ("dtype", "message"),
+    [
+        (jnp.int32, r"dtype=int32 is invalid: must be a floating dtype"),
+        (np.bool_, r"dtype=bool is invalid: must be a floating dtype"),
+        ("float33", r"dtype='float33' is invalid: must be a floating dtype"),
+    ],
+)
+def test_init_context_cache_refuses_a_non_floating_dtype(dtype, message):
+    """An integer cache would make every later round draft meaningless tokens without a word."""
+    with pytest.raises(TypeError, match=message):
+        init_context_cache(tiny_config(), batch=2, capacity=6, dtype=dtype)
+
+
+KV = (2, 2, 3, 2, 8)  # [L, B, N, KVH, D] for tiny_config() and a 2-slot cache
+
+
+@pytest.mark.parametrize(
+    ("k_shape", "v_shape", "rows", "message"),
+    [
+        # one layer would be broadcast into both of the cache's layers
+        (
+            (1, 2, 3, 2, 8),
+            (1, 2, 3, 2, 8),
+            2,
+            r"k has shape \(1, 2, 3, 2, 8\): expected \[L, B, N, KVH, D\] with the cache's L=2, B=2, KVH=2, D=8",
+        ),
+        ((2, 3, 3, 2, 8), (2, 3, 3, 2, 8), 2, r"k has shape \(2, 3, 3, 2, 8\): expected \[L, B, N, KVH, D\]"),
+        (KV, (2, 2, 4, 2, 8), 2, r"k has shape \(2, 2, 3, 2, 8\) and v \(2, 2, 4, 2, 8\): expected the same shape"),
+        (KV, KV, 3, r"start has shape \(3,\): expected \[B\] = \(2,\)"),
+    ],
+)
+def test_write_context_refuses_shapes_that_do_not_match_the_cache_while_tracing(k_shape, v_shape, rows, message):
+    cache = init_context_cache(tiny_config(), batch=2, capacity=6)
+    with pytest.raises(ValueError, match=message):
+        jax.jit(write_context)(cache, jnp.ones(k_shape), jnp.ones(v_shape), jnp.zeros(rows, jnp.int32), jnp.full(2, 3))
+
+
+@pytest.mark.parametrize(
+    ("start", "count", "message"),
+    [
+        (np.array([0.0, 1.5], np.float32), np.array([3, 3]), "start has dtype float32"),
+        (np.array([0, 1]), np.array([2.7, 3.0], np.float32), "count has dtype float32"),
+        (np.array([0, 1]), np.array([True, True]), "count has dtype bool"),
+    ],
+)
+def test_write_context_refuses_float_and_bool_rows_while_tracing(start, count, message):
+    """A float or bool position or count would be truncated silently by the write."""
+    cache = init_context_cache(tiny_config(), batch=2, capacity=6)
+    with pytest.raises(TypeError, match=rf"{message}: expected an integer dtype"):
+        jax.jit(write_context)(cache, jnp.ones(KV), jnp.ones(KV), jnp.asarray(start), jnp.asarray(count))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.cache import commit, init_context_cache, prefill
+from dspark_jax.cache import commit, fill_context, init_context_cache, prefill
 from dspark_jax.config import DraftConfig
 from dspark_jax.draft import DSparkDraft
 
@@ -104,3 +104,36 @@ def test_prefill_refuses_lengths_of_another_batch():
     draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"lengths has shape \(2,\): expected \[B\] = \(4,\)"):
         prefill(draft, _random_cache(1), jnp.zeros((B, 5, F)), jnp.asarray([3, 4]))
+
+
+@pytest.mark.parametrize(
+    ("write", "rows", "message"),
+    [
+        ("prefill", {"lengths": np.array([2.7, 5.0, 1.0, 3.0], np.float32)}, "lengths has dtype float32"),
+        ("prefill", {"lengths": np.ones(B, bool)}, "lengths has dtype bool"),
+        ("commit", {"correct_len": np.array([1.9, 0.0, 1.0, 2.0], np.float32)}, "correct_len has dtype float32"),
+        ("commit", {"prefix_lens": np.ones(B, bool)}, "prefix_lens has dtype bool"),
+        ("fill_context", {"start": np.zeros(B, np.float32)}, "start has dtype float32"),
+        ("fill_context", {"count": np.ones(B, bool)}, "count has dtype bool"),
+    ],
+)
+def test_cache_writes_refuse_float_and_bool_rows_while_tracing(write, rows, message):
+    """Positions, counts and lengths are cast to int32 inside the write: a float or bool one
+    would be truncated silently (2.7 rows -> 2, True -> 1), so its dtype is refused."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    zeros = np.zeros(B, np.int32)
+    fn, names = {
+        "prefill": (prefill, ("lengths",)),
+        "commit": (commit, ("prefix_lens", "correct_len")),
+        "fill_context": (fill_context, ("start", "count")),
+    }[write]
+    args = [jnp.asarray(rows.get(name, zeros)) for name in names]
+    with pytest.raises(TypeError, match=rf"{message}: expected an integer dtype"):
+        jax.jit(fn)(draft, _random_cache(1), jnp.zeros((B, T, F)), *args)
+
+
+def test_commit_refuses_an_active_mask_that_is_not_bool_while_tracing():
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    zeros = jnp.zeros(B, jnp.int32)
+    with pytest.raises(TypeError, match=r"active has dtype int32: expected bool"):
+        jax.jit(commit)(draft, _random_cache(1), jnp.zeros((B, T, F)), zeros, zeros, active=jnp.array([2, 0, 1, 1]))

@@ -318,3 +318,17 @@ def test_input_embeds_of_wrong_shape_are_rejected(small_round):
     draft, cache, good = small_round
     with pytest.raises(ValueError, match=r"input_embeds has shape \(4, 3, 32\): expected \[B, R, H\]"):
         validate_proposal_inputs(draft.cfg, cache, **good, input_embeds=np.zeros((4, 3, 32), np.float32))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_cache_of_integer_dtype_is_refused(small_round, jitted):
+    """The draft attends over the cache: integer keys and values drafted meaningless tokens."""
+    draft, cache, good = small_round
+    ints = jax.tree.map(lambda x: x.astype(jnp.int32), cache)
+    with pytest.raises(TypeError, match=r"cache.k has dtype int32: expected a floating dtype"):
+        if jitted:  # checked while tracing
+            graphdef, state = nnx.split(draft)
+            names = ("bonus", "prefix_lens", "temperatures", "top_k", "key")
+            _propose(graphdef, state, ints, *(good[n] for n in names))
+        else:
+            propose_eager(draft, ints, **good)

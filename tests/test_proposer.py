@@ -12,6 +12,7 @@ from proposer_testing import CAPACITY, CFG, SLOTS, make_cache, random_call
 
 from dspark_jax import packed_inputs
 from dspark_jax import proposer as proposer_module
+from dspark_jax.cache import init_context_cache
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
 from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
@@ -585,3 +586,42 @@ def test_precompile_error_while_lowering_propagates_and_installs_nothing_more(mo
     with pytest.raises(RuntimeError, match="slicer for 3 rows"):
         proposer.precompile(workers=2)
     assert not proposer._slicers
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    proposer = Proposer(
+        draft, max_batch=np.int64(2), capacity=np.int64(CAPACITY), num_slots=np.int32(3), executable_store=False
+    )
+    assert proposer.buckets == (1, 2) and type(proposer.max_batch) is int
+    assert proposer.cache_shape[1:3] == (3, CAPACITY) and all(type(n) is int for n in proposer.cache_shape)
+    assert batch_buckets(np.uint8(4)) == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "message"),
+    [(jnp.int32, r"cache_dtype=int32 is invalid"), ("float33", r"cache_dtype='float33' is invalid")],
+)
+def test_a_non_floating_cache_dtype_is_refused_at_construction(cache_dtype, message):
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    with pytest.raises(TypeError, match=rf"{message}: must be a floating dtype"):
+        Proposer(draft, max_batch=2, capacity=CAPACITY, cache_dtype=cache_dtype, executable_store=False)
+
+
+def test_a_call_without_slots_and_more_rows_than_slots_says_rows_use_the_first_slots():
+    """Rows without ``slots`` draft slots 0..B−1: with 2 slots, 3 rows must name the slots."""
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    proposer = Proposer(
+        draft, max_batch=4, capacity=CAPACITY, num_slots=2, folded_sampling="force", executable_store=False
+    )
+    cache = init_context_cache(draft.cfg, 2, CAPACITY)
+    args = dict(bonus=np.arange(3), prefix_lens=np.zeros(3, int), temperatures=np.zeros(3), top_k=np.ones(3, int))
+    with (
+        CompileCounter() as counter,
+        pytest.raises(
+            ValueError,
+            match=r"B=3 .* too large for a call without slots: its rows use cache slots 0..B-1, .* num_slots=2",
+        ),
+    ):
+        proposer(cache, **args, key=jax.random.key(0))
+    assert counter.count == 0
