@@ -88,10 +88,8 @@ _PHILOX_M = (np.uint32(0xD2511F53), np.uint32(0xCD9E8D57))  # round multipliers
 _PHILOX_W = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))  # key increments (Weyl sequence)
 PHILOX_ROUNDS = 10
 
-_KEY_HELP = (
-    "one PRNG key (a typed jax.random.key(...) scalar or a raw uint32[{n}] jax.random.PRNGKey) "
-    "or one key per row (typed [B] or raw uint32[B, {n}])"
-)
+_ONE_KEY_HELP = "one PRNG key (a typed jax.random.key(...) scalar or a raw uint32[{n}] jax.random.PRNGKey)"
+_KEY_HELP = _ONE_KEY_HELP + " or one key per row (typed [B] or raw uint32[B, {n}])"
 
 
 @functools.cache
@@ -121,10 +119,7 @@ def key_rows(key, batch: int) -> bool:
     """
     n = _raw_key_size()
     allowed = _KEY_HELP.format(n=n)
-    dtype = getattr(key, "dtype", None)
-    shape = tuple(getattr(key, "shape", ()))
-    if dtype is None:
-        raise TypeError(f"key={key!r} has type {type(key).__name__}: expected {allowed}")
+    dtype, shape = _key_dtype_shape(key, allowed)
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         if dtype != _default_key_dtype():  # a dtype comparison: unwrapping the key costs ~0.1 ms a call
             raise TypeError(
@@ -142,6 +137,41 @@ def key_rows(key, batch: int) -> bool:
     else:
         raise TypeError(f"key has dtype {dtype}: expected {allowed}")
     raise TypeError(f"key has shape {shape} for batch {batch}: expected {allowed}")
+
+
+def check_one_key(key) -> None:
+    """Checks that ``key`` is one PRNG key, for the entry points that split one key themselves.
+
+    Only static properties (dtype, shape) are read, so this works on tracers. A typed key
+    may be of any PRNG implementation (``jax.random`` draws from all of them); a raw key is
+    read as one of the default implementation.
+
+    Args:
+      key: one typed key ``[]`` or one raw key ``uint32[n]``.
+
+    Raises:
+      TypeError: ``key`` is not one PRNG key (a batch of keys included).
+    """
+    n = _raw_key_size()
+    allowed = _ONE_KEY_HELP.format(n=n)
+    dtype, shape = _key_dtype_shape(key, allowed)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape == ():
+            return
+    elif dtype == np.uint32:
+        if shape == (n,):
+            return
+    else:
+        raise TypeError(f"key has dtype {dtype}: expected {allowed}")
+    raise TypeError(f"key has shape {shape}: expected {allowed}")
+
+
+def _key_dtype_shape(key, allowed: str) -> tuple[Any, tuple[int, ...]]:
+    """``key``'s static ``(dtype, shape)``; a TypeError naming ``key`` when it is no array at all."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"key={key!r} has type {type(key).__name__}: expected {allowed}")
+    return dtype, tuple(getattr(key, "shape", ()))
 
 
 def row_keys(key, batch: int) -> jax.Array:

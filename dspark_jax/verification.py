@@ -16,7 +16,12 @@ supplies the bonus. Per row (``DSPARK_SPEC.md`` §4):
   the target had sampled them one at a time.
 
 A per-request cap ``verify_len ∈ [1, γ+1]`` (the anchor plus the drafts the target
-verified) bounds ``correct_len ≤ verify_len − 1``. Sampling draws ``u ~ U[0, 1)`` and
+verified) bounds ``correct_len ≤ verify_len − 1``; values outside are clamped into that
+range, as nothing can raise inside a compiled round. A draft id outside ``[0, V)`` (which no
+draft distribution produces) ends the row's drafts where it stands, like such a cap: it and
+every draft after it are rejected, and the bonus there comes from the target alone (its
+argmax, or ``p`` at that row, not the residual, which is the right law only for a draft
+drawn from ``q``), so the output is still the target's. Sampling draws ``u ~ U[0, 1)`` and
 ``E ~ Exp(1)`` (the exponential race, ``argmax(probs / E)``), all in float32.
 
 Ranking the vocabulary for top-k / top-p is a sort, by far the dearest step on CPU, so
@@ -29,13 +34,20 @@ whole vocabulary get the softmax itself in every variant, so all variants agree 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sampling import clamp_temperatures, dtype_of, greedy_rows, greedy_step, inverse_temperatures
+from dspark_jax.sampling import (
+    check_one_key,
+    clamp_temperatures,
+    dtype_of,
+    greedy_rows,
+    greedy_step,
+    inverse_temperatures,
+)
 
 if TYPE_CHECKING:
     from dspark_jax.proposal import DraftBlock
@@ -84,14 +96,25 @@ def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, w
 
     Returns:
       ``[..., V]`` float32 probabilities, zero outside the kept set.
+
+    Raises:
+      ValueError: ``probs`` has no vocabulary axis, ``top_k`` or ``top_p`` is not of shape
+        ``probs.shape[:-1]``, or ``width`` is not an integer in ``[1, V]`` (all checked while
+        tracing).
+      TypeError: ``top_k`` is not of an integer dtype or ``top_p`` not of a floating one.
     """
+    if np.ndim(probs) < 1:
+        raise ValueError(f"probs has shape {np.shape(probs)}: expected [..., V]")
+    rows = tuple(np.shape(probs)[:-1])
+    _check_shapes({"top_k": (top_k, rows), "top_p": (top_p, rows)}, "probs.shape[:-1]")
+    _check_dtypes({"top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)})
     probs = probs.astype(jnp.float32)
     v = probs.shape[-1]
     width = v if width is None else width
-    if not 1 <= width <= v:
+    if not _is_int(width) or not 1 <= width <= v:
         raise ValueError(f"width={width!r} is invalid: must be an integer in [1, V={v}]")
-    top_k = jnp.broadcast_to(top_k, probs.shape[:-1])[..., None]
-    top_p = jnp.broadcast_to(top_p, probs.shape[:-1])[..., None].astype(jnp.float32)
+    top_k = jnp.asarray(top_k)[..., None]
+    top_p = jnp.asarray(top_p)[..., None].astype(jnp.float32)
     ranked, order = jax.lax.top_k(probs, width)  # [..., W] descending, ties by lowest id
     rank = jnp.arange(width)
     in_top_k = rank < top_k
@@ -132,14 +155,24 @@ def target_probs(
 
     Returns:
       ``[B, ..., V]`` float32.
+
+    Raises:
+      ValueError: ``logits`` is not ``[B, ..., V]``, a per-row input is not ``[B]``, or
+        ``filter_width`` is not None or an integer in ``[0, V]`` (checked while tracing).
+      TypeError: ``top_k`` is not of an integer dtype, ``temperatures`` or ``top_p`` not of a
+        floating one.
     """
+    _check_per_row_inputs(logits, "[B, ..., V]", temperatures, top_k, top_p)
+    _check_filter_width(filter_width, np.shape(logits)[-1])
     extra = logits.ndim - 2
     expand = (slice(None),) + (None,) * extra
     inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[expand + (None,)]
     probs = jax.nn.softmax(logits.astype(jnp.float32) * inverse_t, axis=-1)  # logits / T
     if filter_width == 0:
         return probs
-    return apply_top_k_top_p(probs, top_k[expand], top_p[expand], width=filter_width)
+    rows = probs.shape[:-1]
+    top_k, top_p = (jnp.broadcast_to(jnp.asarray(x)[expand], rows) for x in (top_k, top_p))
+    return apply_top_k_top_p(probs, top_k, top_p, width=filter_width)
 
 
 def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -177,7 +210,17 @@ def sample_tokens(
 
     Returns:
       ``[B]`` int32.
+
+    Raises:
+      ValueError: ``logits`` is not ``[B, V]``, a per-row input is not ``[B]``, or
+        ``filter_width`` is not None or an integer in ``[0, V]`` (checked while tracing: a
+        ``[1]`` would otherwise spread over every row).
+      TypeError: ``top_k`` is not of an integer dtype, ``temperatures`` or ``top_p`` not of a
+        floating one, or ``key`` is not one PRNG key.
     """
+    if np.ndim(logits) != 2:
+        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V]")
+    check_one_key(key)
     probs = target_probs(logits, temperatures, top_k, top_p, filter_width=filter_width)
     sampled = race(probs, exponential_noise(key, logits.shape))
     return jnp.where(greedy_rows(temperatures, top_k), greedy_step(logits), sampled)
@@ -195,22 +238,33 @@ def accept(
 ) -> tuple[jax.Array, jax.Array]:
     """Accepts a prefix of each row's drafts and picks the bonus token. Jittable.
 
+    A draft id outside ``[0, V)`` is rejected, with every draft after it; the bonus at its
+    place comes from the target alone (see the module docstring).
+
     Args:
       target_logits: ``[B, T, V]`` float32 target logits of ``[bonus, d_1 … d_γ]``.
       block: the proposal (``draft_tokens [B, γ]``, ``corrected_logits [B, γ, V]`` or an
         empty ``[B, γ, 0]`` when every row is greedy, ``greedy_mask [B]``,
         ``temperatures [B]``).
       top_k, top_p: ``[B]`` the requests' target top-k / top-p.
-      verify_len: ``[B]`` int in ``[1, γ+1]``, rows the target verified (anchor
-        included); ``None`` = all ``γ + 1``.
-      key: a PRNG key for the uniforms and the bonus draw.
+      verify_len: ``[B]`` int, rows the target verified (anchor included), clamped into
+        ``[1, γ+1]``; ``None`` = all ``γ + 1``.
+      key: one PRNG key for the uniforms and the bonus draw.
       filter_width: static ranks examined for top-k / top-p (see :func:`required_filter_width`):
-        ``0`` = no sampling row restricts (no sort), ``None`` = ``V`` (exact for any rows).
+        ``0`` = no sampling row restricts (no sort), ``None`` = ``V`` (exact for any rows),
+        else an integer in ``[1, V]``.
 
     Returns:
       ``(correct_len [B] int32 in [0, verify_len − 1], bonus [B] int32)``.
+
+    Raises:
+      ValueError: a shape does not match ``target_logits [B, γ + 1, V]``, or ``filter_width``
+        is not None or an integer in ``[0, V]`` (checked while tracing).
+      TypeError: ``key`` is not one PRNG key; ``draft_tokens``, ``top_k`` or ``verify_len`` is
+        not of an integer dtype, ``temperatures`` or ``top_p`` not of a floating one.
     """
     b, t, v = _target_shape(target_logits)
+    check_one_key(key)
     k_u, k_e = jax.random.split(key)
     uniforms = jax.random.uniform(k_u, (b, t - 1), jnp.float32)
     exponentials = exponential_noise(k_e, (b, v))
@@ -241,15 +295,20 @@ def accept_with_noise(
     ``exponentials [B, V]`` Exp(1) noise for the bonus race (sampling rows only).
 
     Raises:
-      ValueError: a shape does not match ``target_logits [B, γ + 1, V]`` (checked while
-        tracing, as every shape here is static).
-      TypeError: ``draft_tokens``, ``top_k`` or ``verify_len`` is not of an integer dtype.
+      ValueError: a shape does not match ``target_logits [B, γ + 1, V]``, or ``filter_width``
+        is not None or an integer in ``[0, V]`` (checked while tracing, as every shape here is
+        static).
+      TypeError: ``draft_tokens``, ``top_k`` or ``verify_len`` is not of an integer dtype,
+        ``temperatures`` or ``top_p`` not of a floating one.
     """
-    _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials)
+    _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials, filter_width)
     b, t, v = target_logits.shape
     gamma = t - 1
     drafts = block.draft_tokens.astype(jnp.int32)  # [B, γ]
-    cap = jnp.full((b,), gamma, jnp.int32) if verify_len is None else verify_len.astype(jnp.int32) - 1
+    cap = jnp.full((b,), gamma, jnp.int32) if verify_len is None else jnp.clip(verify_len.astype(jnp.int32), 1, t) - 1
+    # No draft distribution yields an id outside [0, V): end the row's drafts there, like a verify cap.
+    in_vocab = (drafts >= 0) & (drafts < v)
+    cap = jnp.minimum(cap, _leading_true(in_vocab))
     rows = jnp.arange(b)
 
     pred = greedy_step(target_logits.reshape(b * t, v)).reshape(b, t)  # [B, T]
@@ -262,8 +321,9 @@ def accept_with_noise(
     p = target_probs(target_logits, temps, top_k, top_p, filter_width=filter_width)  # [B, T, V]
     # [B, γ, V]: corrected / T as the draft's race formed it
     q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) * inverse_temperatures(temps)[:, None, None], axis=-1)
-    p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B, γ]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    index = jnp.where(in_vocab, drafts, 0)[..., None]  # [B, γ, 1]; the cap rejects the slots it changes
+    p_d = jnp.take_along_axis(p[:, :gamma], index, axis=-1)[..., 0]  # [B, γ]
+    q_d = jnp.take_along_axis(q, index, axis=-1)[..., 0]
     sample_len = jnp.minimum(_leading_true(uniforms * q_d < p_d), cap)
     p_n = p[rows, sample_len]  # [B, V]
     q_n = q[rows, jnp.minimum(sample_len, gamma - 1)]
@@ -285,8 +345,8 @@ def _target_shape(target_logits: jax.Array) -> tuple[int, int, int]:
     return shape
 
 
-def _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials) -> None:
-    """The static checks of :func:`accept_with_noise` (shapes and integer dtypes; see there)."""
+def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials, filter_width) -> None:
+    """The static checks of :func:`accept_with_noise` (shapes, dtypes, ``filter_width``; see there)."""
     b, t, v = _target_shape(target_logits)
     gamma = t - 1
     corrected = np.shape(block.corrected_logits)
@@ -305,14 +365,62 @@ def _check_accept_shapes(target_logits, block, top_k, top_p, verify_len, uniform
         "uniforms": (uniforms, (b, gamma)),
         "exponentials": (exponentials, (b, v)),
     }
-    for name, (value, shape) in expected.items():
+    _check_shapes(expected, "B, γ, V of target_logits")
+    _check_dtypes(
+        {
+            "block.draft_tokens": (block.draft_tokens, jnp.integer),
+            "block.temperatures": (block.temperatures, jnp.floating),
+            "top_k": (top_k, jnp.integer),
+            "top_p": (top_p, jnp.floating),
+            "verify_len": (verify_len, jnp.integer),
+        }
+    )
+    _check_filter_width(filter_width, v)
+
+
+def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> None:
+    """``logits [B, ..., V]`` (at least 2-D) and the per-row ``[B]`` inputs, with their dtypes."""
+    shape = tuple(np.shape(logits))
+    if len(shape) < 2:
+        raise ValueError(f"logits has shape {shape}: expected {layout}")
+    _check_shapes(
+        {"temperatures": (temperatures, shape[:1]), "top_k": (top_k, shape[:1]), "top_p": (top_p, shape[:1])},
+        f"[B], one per row of logits {shape}",
+    )
+    _check_dtypes(
+        {"temperatures": (temperatures, jnp.floating), "top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)}
+    )
+
+
+def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) -> None:
+    """ValueError for the first ``name: (value, shape)`` whose static shape differs (None skipped)."""
+    for name, (value, shape) in fields.items():
         if value is not None and tuple(np.shape(value)) != shape:
-            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} (B, γ, V of target_logits)")
-    for name, value in (("block.draft_tokens", block.draft_tokens), ("top_k", top_k), ("verify_len", verify_len)):
-        if value is None:
-            continue
-        if not jnp.issubdtype(dtype_of(value), jnp.integer):
-            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype")
+            raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} ({allowed})")
+
+
+_DTYPE_KINDS = {jnp.integer: "an integer dtype", jnp.floating: "a floating dtype"}
+
+
+def _check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
+    """TypeError for the first ``name: (value, kind)`` whose dtype is not of ``kind`` (None skipped)."""
+    for name, (value, kind) in fields.items():
+        if value is not None and not jnp.issubdtype(dtype_of(value), kind):
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected {_DTYPE_KINDS[kind]}")
+
+
+def _check_filter_width(filter_width, vocab: int) -> None:
+    """``filter_width`` must be static: None, or a Python (or NumPy) integer in ``[0, V]``."""
+    if filter_width is not None and not (_is_int(filter_width) and 0 <= filter_width <= vocab):
+        raise ValueError(
+            f"filter_width={filter_width!r} is invalid: must be None (= V), 0 (no top-k / top-p) or an integer "
+            f"in [1, V={vocab}], given statically (see required_filter_width)"
+        )
+
+
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (nor a traced value)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:

@@ -315,3 +315,27 @@ def test_round_to_rounds_as_the_conversion_does_in_a_form_xla_keeps():
         x[None, :64], np.ones(1, np.float32), np.zeros(1, bool), jax.random.key(0), race_dtype=jnp.bfloat16
     )
     assert "stablehlo.reduce_precision" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "key",
+    [jax.random.key(3), jax.random.key_data(jax.random.key(3)), jax.random.key(3, impl="rbg")],
+    ids=["typed", "raw", "typed-other-impl"],
+)
+def test_check_one_key_accepts_one_key_of_any_form(key):
+    S.check_one_key(key)  # no error
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (7, r"key=7 has type int"),
+        (np.zeros(2, np.float32), r"key has dtype float32"),
+        (np.zeros((4, 2), np.uint32), r"key has shape \(4, 2\)"),
+        (jax.random.split(jax.random.key(0), 4), r"key has shape \(4,\)"),
+    ],
+    ids=["int", "float-array", "raw-batch", "typed-batch"],
+)
+def test_check_one_key_refuses_batches_and_non_keys_naming_key(key, message):
+    with pytest.raises(TypeError, match=message + r": expected one PRNG key \(a typed .*\)$"):
+        S.check_one_key(key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -332,3 +333,199 @@ def test_schedule_verify_lengths_maximises_throughput_over_all_prefix_choices():
 def test_schedule_verify_lengths_rejects_short_table():
     with pytest.raises(ValueError, match="steps_per_second"):
         schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((5,)))
+
+
+def test_out_of_vocabulary_drafts_are_rejected_and_the_target_picks_the_bonus():
+    """An id outside [0, V) ends the row's drafts like a verify cap: nothing from it on is
+    accepted (a negative id must not wrap to token V − 1), and the bonus there is the target's."""
+    rng = np.random.default_rng(6)
+    gamma, v = 3, 5
+    logits = np.zeros((4, gamma + 1, v))
+    logits[:, :, v - 1] = 6.0  # the target all but insists on token V − 1, which id −1 would wrap to
+    corrected = np.array(logits[:, :gamma])
+    drafts = np.array([[v - 1, -1, v - 1], [v, v - 1, v - 1], [v - 1, -1, v - 1], [v - 1, v - 1, v + 7]])
+    greedy = np.array([False, False, True, True])
+    temps = np.where(greedy, 0.0, 1.0)
+    u = rng.random((4, gamma)).astype(np.float32)
+    e = rng.exponential(size=(4, v)).astype(np.float32)
+    n, bonus = jax.jit(accept_with_noise)(
+        jnp.asarray(logits, jnp.float32),
+        _block(drafts, corrected, greedy, temps),
+        top_k=jnp.full((4,), TOP_K_ALL),
+        top_p=jnp.ones((4,)),
+        verify_len=None,
+        uniforms=jnp.asarray(u),
+        exponentials=jnp.asarray(e),
+    )
+    first_bad = [1, 0, 1, 2]
+    want = [
+        _ref_accept(logits[i], drafts[i], corrected[i], greedy[i], temps[i], TOP_K_ALL, 1.0, first_bad[i], u[i], e[i])
+        for i in range(4)
+    ]
+    np.testing.assert_array_equal(np.asarray(n), first_bad)
+    np.testing.assert_array_equal(np.asarray(bonus), [w[1] for w in want])
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 12])
+def test_out_of_vocabulary_draft_keeps_the_committed_tokens_target_distributed(bad):
+    """Behind an id outside [0, V) the bonus is drawn from the target's own p (the residual
+    max(p − q, 0) is the right law only for a draft drawn from q): the outcomes are those of a
+    row whose verify cap ends at that draft."""
+    rng = np.random.default_rng(8)
+    n_rows, gamma, v = 20_000, 2, 5
+    logits = 0.8 * rng.standard_normal((gamma + 1, v))
+    corrected = logits[:gamma] + rng.standard_normal((gamma, v))
+    first = int(np.argmax(corrected[0]))
+    want = np.zeros((gamma + 1, v))
+    want[:2] = _exact_outcomes(logits, np.array([first, 0]), corrected, 1.0, TOP_K_ALL, 1.0, cap=1)
+    block = _block(
+        np.tile([first, bad], (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.ones(n_rows)
+    )
+    n, bonus = jax.jit(accept)(
+        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
+        block,
+        top_k=jnp.full((n_rows,), TOP_K_ALL),
+        top_p=jnp.ones((n_rows,)),
+        key=jax.random.key(11),
+    )
+    counts = np.zeros((gamma + 1, v))
+    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
+    # E[TV] <= ½ Σ sqrt(p(1 − p) / N); McDiarmid adds 0.015 at probability about e^-9.
+    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.015
+    tv = 0.5 * np.abs(counts / n_rows - want).sum()
+    assert tv < tol, (tv, tol)
+    assert want[0].sum() > 0.05 and want[1].sum() > 0.05  # both the rejection and the cap occur
+
+
+def test_verify_len_is_clamped_into_one_to_gamma_plus_one():
+    rng = np.random.default_rng(9)
+    b, gamma, v = 6, 3, 4
+    logits = np.zeros((b, gamma + 1, v))
+    logits[..., 2] = 5.0
+    drafts = np.full((b, gamma), 2)  # every draft is the target's choice: only the cap stops them
+    greedy = np.array([True, True, True, False, False, False])
+    block = _block(drafts, logits[:, :gamma], greedy, np.where(greedy, 0.0, 1.0))
+    run = jax.jit(
+        functools.partial(
+            accept_with_noise,
+            top_k=jnp.full((b,), TOP_K_ALL),
+            top_p=jnp.ones((b,)),
+            uniforms=jnp.asarray(rng.random((b, gamma)), jnp.float32),
+            exponentials=jnp.asarray(rng.exponential(size=(b, v)), jnp.float32),
+        )
+    )
+    got = run(jnp.asarray(logits, jnp.float32), block, verify_len=jnp.asarray([0, -2, 9, 0, -7, gamma + 2]))
+    want = run(jnp.asarray(logits, jnp.float32), block, verify_len=jnp.asarray([1, 1, gamma + 1] * 2))
+    np.testing.assert_array_equal(np.asarray(got[0]), [0, 0, gamma, 0, 0, gamma])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+_B, _V = 2, 6
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (dict(temperatures=np.ones(1, np.float32)), ValueError, r"temperatures has shape \(1,\): expected \(2,\)"),
+        (dict(top_k=np.full(3, 4, np.int32)), ValueError, r"top_k has shape \(3,\): expected \(2,\)"),
+        (dict(top_p=np.ones((2, 1), np.float32)), ValueError, r"top_p has shape \(2, 1\): expected \(2,\)"),
+        (dict(logits=np.zeros(_V, np.float32)), ValueError, r"logits has shape \(6,\): expected \[B, V\]"),
+        (
+            dict(logits=np.zeros((_B, 3, _V), np.float32)),
+            ValueError,
+            r"logits has shape \(2, 3, 6\): expected \[B, V\]",
+        ),
+        (dict(top_k=np.full(2, 4.0, np.float32)), TypeError, r"top_k has dtype float32: expected an integer dtype"),
+        (dict(top_p=np.ones(2, np.int32)), TypeError, r"top_p has dtype int32: expected a floating dtype"),
+        (dict(temperatures=np.ones(2, np.int32)), TypeError, r"temperatures has dtype int32: expected a floating"),
+    ],
+)
+def test_sample_tokens_refuses_mismatched_rows_and_dtypes_while_tracing(change, error, message):
+    """A [1] temperature would otherwise spread over every row unnoticed."""
+    args = dict(
+        logits=np.zeros((_B, _V), np.float32),
+        temperatures=np.ones(_B, np.float32),
+        top_k=np.full(_B, 4, np.int32),
+        top_p=np.ones(_B, np.float32),
+    )
+    args.update(change)
+    run = jax.jit(sample_tokens)
+    with pytest.raises(error, match=message):
+        run(*(jnp.asarray(args[k]) for k in ("logits", "temperatures", "top_k", "top_p")), jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (dict(temperatures=np.ones(1, np.float32)), ValueError, r"temperatures has shape \(1,\): expected \(2,\)"),
+        (dict(top_p=np.ones((2, 3), np.float32)), ValueError, r"top_p has shape \(2, 3\): expected \(2,\)"),
+        (dict(logits=np.zeros(_V, np.float32)), ValueError, r"logits has shape \(6,\): expected \[B, \.\.\., V\]"),
+        (dict(top_k=np.full(2, 4.0, np.float32)), TypeError, r"top_k has dtype float32: expected an integer dtype"),
+    ],
+)
+def test_target_probs_refuses_mismatched_rows_and_dtypes_while_tracing(change, error, message):
+    args = dict(
+        logits=np.zeros((_B, 3, _V), np.float32),
+        temperatures=np.ones(_B, np.float32),
+        top_k=np.full(_B, 4, np.int32),
+        top_p=np.ones(_B, np.float32),
+    )
+    args.update(change)
+    with pytest.raises(error, match=message):
+        jax.jit(target_probs)(*(jnp.asarray(args[k]) for k in ("logits", "temperatures", "top_k", "top_p")))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "width", "error", "message"),
+    [
+        (np.full(1, 2, np.int32), np.ones(2, np.float32), None, ValueError, r"top_k has shape \(1,\): expected \(2,\)"),
+        (np.full(2, 2, np.int32), np.ones(3, np.float32), None, ValueError, r"top_p has shape \(3,\): expected \(2,\)"),
+        (np.full(2, 2.0, np.float32), np.ones(2, np.float32), None, TypeError, r"top_k has dtype float32: expected an"),
+        (np.full(2, 2, np.int32), np.ones(2, np.float32), 2.5, ValueError, r"width=2.5 is invalid: must be an integer"),
+    ],
+)
+def test_apply_top_k_top_p_refuses_mismatched_rows_dtypes_and_widths(top_k, top_p, width, error, message):
+    probs = jnp.full((_B, _V), 1.0 / _V)
+    with pytest.raises(error, match=message):
+        apply_top_k_top_p(probs, jnp.asarray(top_k), jnp.asarray(top_p), width=width)
+
+
+def _one_row_sampling_block():
+    return _block(np.array([[1, 0]]), np.zeros((1, 2, 3)), np.array([False]), np.array([1.0]))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        7,
+        np.zeros(2, np.float32),
+        np.zeros((1, 2), np.uint32),
+        np.zeros(3, np.uint32),
+        "per-row typed keys",
+    ],
+    ids=["int", "float-array", "raw-batch", "raw-wrong-length", "typed-batch"],
+)
+def test_accept_and_sample_tokens_refuse_a_bad_key_naming_key(key):
+    """Each splits one key itself, so a batch of keys is refused as firmly as a non-key."""
+    if isinstance(key, str):
+        key = jax.random.split(jax.random.key(0), 1)
+    top_k, top_p = jnp.asarray([TOP_K_ALL]), jnp.asarray([1.0])
+    with pytest.raises(TypeError, match=r"^key.*expected one PRNG key"):
+        accept(jnp.zeros((1, 3, 3)), _one_row_sampling_block(), top_k=top_k, top_p=top_p, key=key)
+    with pytest.raises(TypeError, match=r"^key.*expected one PRNG key"):
+        sample_tokens(jnp.zeros((1, 3)), jnp.asarray([1.0]), top_k, top_p, key)
+
+
+@pytest.mark.parametrize("width", [2.5, -1, 4, np.float32(2.0)])
+def test_filter_width_must_be_a_static_integer_in_zero_to_vocab(width):
+    top_k, top_p = jnp.asarray([2]), jnp.asarray([1.0])
+    message = re.escape(f"filter_width={width!r} is invalid") + r": must be None \(= V\), 0 .* in \[1, V=3\]"
+    for greedy_only in (False, True):
+        block = _one_row_sampling_block()
+        if greedy_only:
+            block = block.replace(corrected_logits=jnp.zeros((1, 2, 0)), greedy_mask=jnp.asarray([True]))
+        with pytest.raises(ValueError, match=message):
+            accept(jnp.zeros((1, 3, 3)), block, top_k=top_k, top_p=top_p, key=jax.random.key(0), filter_width=width)
+    with pytest.raises(ValueError, match=message):
+        sample_tokens(jnp.zeros((1, 3)), jnp.asarray([1.0]), top_k, top_p, jax.random.key(0), filter_width=width)
