@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +40,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
+from dspark_jax.config import is_integer
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
@@ -103,12 +105,77 @@ class DecodeState:
 
 
 # ------------------------------------------------------------------ validation
+_INT32_MAX = int(np.iinfo(np.int32).max)  # max_new_tokens reaches the round as int32
+
+
+def _scalar(value: Any) -> Any:
+    """A NumPy / JAX 0-d array or scalar as the Python number it holds; anything else unchanged."""
+    if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
+        return np.asarray(value).item()
+    return value
+
+
+def _is_real(value: Any) -> bool:
+    """A real number, bools excluded (the counterpart of :func:`~dspark_jax.config.is_integer`)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _invalid(field: str, value: Any, allowed: str, *, right_kind: bool) -> Exception:
+    """The error for a bad value: ``TypeError`` for the wrong kind of value, ``ValueError`` for one out of range."""
+    return (ValueError if right_kind else TypeError)(f"{field}={value!r} is invalid: {allowed}")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    """A boolean flag (Python, NumPy or JAX bool) as a Python bool; anything else is refused."""
+    value = _scalar(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} is invalid: must be True or False")
+    return value
+
+
 def _per_request(name: str, value: Any, batch: int) -> list:
-    if isinstance(value, (list, tuple, np.ndarray)):
+    """One value per request, NumPy / JAX scalars as Python numbers: a list, tuple or array of
+    ``batch`` entries, or one value for all."""
+    arrays = (np.ndarray, jax.Array)
+    if isinstance(value, (list, tuple)) or (isinstance(value, arrays) and value.ndim >= 1):
         if len(value) != batch:
             raise ValueError(f"{name} has {len(value)} entries: expected one per prompt ({batch}) or a single value")
-        return list(value)
-    return [value] * batch
+        return [_scalar(v) for v in (np.asarray(value) if isinstance(value, arrays) else value)]
+    return [_scalar(value)] * batch
+
+
+def _entries(value: Any) -> list | None:
+    """The entries of an iterable or an array of >= 1 dimension; None for a single value or a string."""
+    if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+        return list(np.asarray(value)) if np.ndim(value) else None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return None
+    return list(value)
+
+
+def _stop_lists(stop_tokens: Any, batch: int, vocab_size: int) -> list[list[int]]:
+    """``stop_tokens`` (``None``, one list of ids for all requests, or one list per request) as ``B`` lists."""
+    if stop_tokens is None:
+        return [[] for _ in range(batch)]
+    allowed = "expected token ids: one list for every request, or one list per request"
+    entries = _entries(stop_tokens)
+    if entries is None:
+        raise TypeError(f"stop_tokens={stop_tokens!r} is invalid: {allowed}")
+    lists = [_entries(e) for e in entries]
+    shared = all(s is None for s in lists)  # an empty list is shared too
+    if not shared and any(s is None for s in lists):
+        raise TypeError(f"stop_tokens={stop_tokens!r} is invalid: it mixes ids and lists; {allowed}")
+    if not shared and len(lists) != batch:
+        raise ValueError(f"stop_tokens has {len(lists)} lists: expected one per prompt ({batch}) or one list for all")
+    rows = [entries] if shared else lists
+    for b, row in enumerate(rows):
+        for i, t in enumerate(row):
+            t = row[i] = _scalar(t)
+            if not is_integer(t) or not 0 <= t < vocab_size:
+                field = f"stop_tokens[{i}]" if shared else f"stop_tokens[{b}][{i}]"
+                allowed = f"stop tokens must be token ids in [0, {vocab_size})"
+                raise _invalid(field, t, allowed, right_kind=is_integer(t))
+    return rows * batch if shared else rows
 
 
 def _requests(
@@ -144,34 +211,24 @@ def _requests(
 
     max_new = _per_request("max_new_tokens", max_new_tokens, batch)
     for b, m in enumerate(max_new):
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-            raise ValueError(f"max_new_tokens[{b}]={m!r} is invalid: must be an integer >= 1")
+        if not is_integer(m) or not 1 <= m <= _INT32_MAX:
+            allowed = f"must be an integer in [1, {_INT32_MAX}]"
+            raise _invalid(f"max_new_tokens[{b}]", m, allowed, right_kind=is_integer(m))
     temps = _per_request("temperature", temperature, batch)
     for b, t in enumerate(temps):
-        if not isinstance(t, (int, float, np.number)) or not np.isfinite(float(t)) or t < 0 or t > _FLOAT32_MAX:
-            raise ValueError(
-                f"temperature[{b}]={t!r} is invalid: must be a number >= 0 (0 = greedy), finite in float32"
-            )
+        if not _is_real(t) or not 0 <= t <= _FLOAT32_MAX:  # also refuses NaN
+            allowed = "must be a number >= 0 (0 = greedy), finite in float32"
+            raise _invalid(f"temperature[{b}]", t, allowed, right_kind=_is_real(t))
     ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]
     for b, k in enumerate(ks):
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= TOP_K_MAX:
-            raise ValueError(
-                f"top_k[{b}]={k!r} is invalid: must be None (no top-k) or an integer in [1, {TOP_K_MAX}] (1 = greedy)"
-            )
+        if not is_integer(k) or not 1 <= k <= TOP_K_MAX:
+            allowed = f"must be None (no top-k) or an integer in [1, {TOP_K_MAX}] (1 = greedy)"
+            raise _invalid(f"top_k[{b}]", k, allowed, right_kind=is_integer(k))
     ps = [1.0 if p is None else p for p in _per_request("top_p", top_p, batch)]
     for b, p in enumerate(ps):
-        if not isinstance(p, (int, float, np.number)) or not 0 < p <= 1:
-            raise ValueError(f"top_p[{b}]={p!r} is invalid: must be a number in (0, 1]")
-    if stop_tokens is None:
-        stops = [[] for _ in range(batch)]
-    elif all(isinstance(s, (int, np.integer)) for s in stop_tokens):
-        stops = [list(stop_tokens)] * batch
-    else:
-        stops = [list(s) for s in _per_request("stop_tokens", list(stop_tokens), batch)]
-    for b, s in enumerate(stops):
-        for t in s:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_tokens[{b}] contains {t!r}: stop tokens must be ids in [0, {vocab_size})")
+        if not _is_real(p) or not 0 < p <= 1:
+            raise _invalid(f"top_p[{b}]", p, "must be a number in (0, 1]", right_kind=_is_real(p))
+    stops = _stop_lists(stop_tokens, batch, vocab_size)
     stop = np.full((batch, max(1, max(len(s) for s in stops))), -1, np.int32)
     for b, s in enumerate(stops):
         stop[b, : len(s)] = s
@@ -190,17 +247,48 @@ def _bucket(n: int, step: int = 16) -> int:
     return -(-n // step) * step
 
 
-def _capacity(capacity: int | None, lengths: np.ndarray, max_new: np.ndarray, extra: int) -> int:
-    need = int((lengths + max_new).max()) + extra
+def _check_positions(lengths: np.ndarray, max_new: np.ndarray, lookahead: int, limits: dict[str, Any]) -> None:
+    """Refuses requests that would run a model at a position >= its ``max_position_embeddings``.
+
+    A request's prompt and output fill positions ``0 … prompt + max_new_tokens − 1``. A
+    speculative round starts from the bonus (at most at ``prompt + max_new_tokens − 2``
+    while the request is unfinished) and runs both models ``γ`` positions past it, so
+    speculative decoding looks ``lookahead = γ − 1`` positions further.
+
+    Args:
+      lengths: ``[B]`` prompt lengths.
+      max_new: ``[B]`` max_new_tokens.
+      lookahead: positions run past the last output token (γ − 1, or 0 for plain decoding).
+      limits: ``max_position_embeddings`` by model name (``None`` where a config has none).
+    """
+    ends = lengths.astype(np.int64) + max_new  # [B]
+    b = int(np.argmax(ends))
+    need = int(ends[b]) + lookahead
+    over = {name: limit for name, limit in limits.items() if limit is not None and need > limit}
+    if over:
+        terms = "prompt + max_new_tokens" + (" + gamma - 1" if lookahead else "")
+        why = f" (the last round verifies gamma - 1 = {lookahead} positions past the output)" if lookahead else ""
+        models = " and ".join(f"the {name}'s max_position_embeddings={limit}" for name, limit in over.items())
+        raise ValueError(
+            f"prompts[{b}] has {int(lengths[b])} tokens and max_new_tokens[{b}]={int(max_new[b])}: "
+            f"{terms} = {need} positions{why} exceed {models}"
+        )
+
+
+def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, extra: int) -> int:
+    need = int((lengths.astype(np.int64) + max_new).max()) + extra
     if capacity is None:
         return _bucket(need)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
-        b = int(np.argmax(lengths + max_new))
+    capacity = _scalar(capacity)
+    if not is_integer(capacity):
+        raise TypeError(f"capacity={capacity!r} is invalid: must be None (sized from the requests) or an integer")
+    if capacity < need:
+        b = int(np.argmax(lengths.astype(np.int64) + max_new))
         raise ValueError(
             f"capacity={capacity!r} is too small: prompt {b} has {int(lengths[b])} tokens and may generate "
             f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens + {extra})"
         )
-    return capacity
+    return int(capacity)
 
 
 def _check_key(key: Any, batch: int) -> None:
@@ -475,15 +563,20 @@ def speculative_generate(
 ) -> GenerationResult:
     """Generates with the draft proposing and the target verifying; output is the target's.
 
+    ``max_new_tokens``, ``temperature``, ``top_k`` and ``top_p`` take one value for all
+    requests or one per request (a list, tuple or 1-D NumPy / JAX array); numbers may be
+    Python, NumPy or JAX 0-d scalars, never bools. Every input is checked before anything
+    is compiled.
+
     Args:
       target: a :class:`~dspark_jax.target.Target` (e.g. ``Qwen3Target``).
       draft: a :class:`~dspark_jax.draft.DSparkDraft` that borrows the target's
         embedding and lm_head.
       prompts: ``B`` lists of token ids, each non-empty, of any lengths.
-      max_new_tokens: new tokens per request (one value or one per request).
-      temperature: 0 = greedy; one value or one per request.
-      top_k: ``None`` = no top-k, 1 = greedy; one value or one per request.
-      top_p: nucleus mass in ``(0, 1]``; one value or one per request.
+      max_new_tokens: new tokens per request, in ``[1, 2**31 − 1]``.
+      temperature: 0 = greedy.
+      top_k: ``None`` = no top-k, 1 = greedy.
+      top_p: nucleus mass in ``(0, 1]``.
       stop_tokens: ids that end a request (one list for all, or one list per request).
       key: one PRNG key (used only by sampling requests).
       capacity: cache positions per request; default prompt + max_new_tokens + γ + 1,
@@ -495,7 +588,16 @@ def speculative_generate(
       A :class:`GenerationResult`.
 
     Raises:
-      ValueError / TypeError: bad input, before anything is compiled.
+      TypeError: a value of the wrong kind: a bool, string or float where an integer is
+        expected, a bool or string where a number is, a ``device_loop`` that is not a
+        bool, ``stop_tokens`` that are neither a list of ids nor one list per request,
+        or a key per row.
+      ValueError: a value out of range (ids outside the vocabulary, ``max_new_tokens`` or
+        ``top_k`` outside ``[1, 2**31 − 1]``, …), a wrong number of per-request values, a
+        ``capacity`` too small, a draft that does not fit the target, or a request whose
+        prompt + max_new_tokens + γ − 1 positions exceed the target's or the draft's
+        ``max_position_embeddings`` (the last round verifies γ − 1 positions past the
+        output).
     """
     started = time.perf_counter()
     check_pair(draft.cfg, target.config)
@@ -504,7 +606,12 @@ def speculative_generate(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
     _check_key(key, len(prompts))
+    device_loop = _check_flag("device_loop", device_loop)
     max_new = np.asarray(requests.max_new)
+    limits = dict(
+        target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings
+    )
+    _check_positions(lengths, max_new, gamma - 1, limits)
     capacity = _capacity(capacity, lengths, max_new, gamma + 1)
     target_def, target_state = _split(target)
     draft_def, draft_state = _split(draft)
@@ -666,13 +773,20 @@ def generate(
     outputs compare token for token); ``rounds`` counts decode steps after the first
     token, ``tau`` is 1. ``device_loop=True`` runs every step in one compiled
     ``while_loop``.
+
+    Raises:
+      TypeError: as for :func:`speculative_generate`.
+      ValueError: as for :func:`speculative_generate`; here a request's prompt +
+        max_new_tokens must not exceed the target's ``max_position_embeddings``.
     """
     started = time.perf_counter()
     tokens, lengths, requests = _requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
     _check_key(key, len(prompts))
+    device_loop = _check_flag("device_loop", device_loop)
     max_new = np.asarray(requests.max_new)
+    _check_positions(lengths, max_new, 0, dict(target=getattr(target.config, "max_position_embeddings", None)))
     capacity = _capacity(capacity, lengths, max_new, 1)
     target_def, target_state = _split(target)
     program = _plain_program(target_def, **_variant(requests, target.config.vocab_size))

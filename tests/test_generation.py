@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -52,8 +53,11 @@ def _bigram_target(vocab: int, context_scale: float, seed: int = 0) -> tuple[Qwe
     return target, f
 
 
-def _rigged_draft(target, bigram, *, gamma, sample_from_anchor, keep, strength, seed=1) -> DSparkDraft:
-    """A draft whose Markov head predicts ``bigram[prev]`` for the ``keep`` fraction of tokens."""
+def _rigged_draft(target, bigram, *, gamma, sample_from_anchor, keep, strength, seed=1, **fields) -> DSparkDraft:
+    """A draft whose Markov head predicts ``bigram[prev]`` for the ``keep`` fraction of tokens.
+
+    ``fields`` are further :class:`DraftConfig` fields (e.g. ``max_position_embeddings``).
+    """
     vocab = target.config.vocab_size
     cfg = DraftConfig(
         hidden_size=16,
@@ -68,6 +72,7 @@ def _rigged_draft(target, bigram, *, gamma, sample_from_anchor, keep, strength, 
         target_layer_ids=(0, 1),
         markov_rank=vocab,
         sample_from_anchor=sample_from_anchor,
+        **fields,
     )
     draft = DSparkDraft(cfg, rngs=nnx.Rngs(seed), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     rng = np.random.default_rng(seed)
@@ -294,6 +299,24 @@ def small_pair():
         (dict(top_p=0.0), ValueError, "top_p"),
         (dict(stop_tokens=[V + 1]), ValueError, "stop_tokens"),
         (dict(key=7), TypeError, "key"),
+        # bools are not numbers here, and flags take only bools
+        (dict(temperature=True), TypeError, r"temperature\[0\]=True is invalid: must be a number >= 0"),
+        (dict(top_p=True), TypeError, r"top_p\[0\]=True is invalid: must be a number in \(0, 1\]"),
+        (dict(top_k=[None, True]), TypeError, r"top_k\[1\]=True is invalid: must be None \(no top-k\) or an integer"),
+        (dict(max_new_tokens=True), TypeError, r"max_new_tokens\[0\]=True is invalid: must be an integer"),
+        (dict(device_loop="no"), TypeError, "device_loop='no' is invalid: must be True or False"),
+        (dict(device_loop=1), TypeError, "device_loop=1 is invalid: must be True or False"),
+        (dict(capacity=64.0), TypeError, r"capacity=64.0 is invalid: must be None \(.*\) or an integer"),
+        (dict(capacity=np.int64(8)), ValueError, "capacity=8 is too small"),
+        # stop_tokens: one list of ids, or one list per request
+        (dict(stop_tokens=5), TypeError, "stop_tokens=5 is invalid: expected token ids: one list for every request"),
+        (dict(stop_tokens=[1, [2]]), TypeError, r"stop_tokens=\[1, \[2\]\] is invalid: it mixes ids and lists"),
+        (dict(stop_tokens=[[1], [2, True]]), TypeError, r"stop_tokens\[1\]\[1\]=True is invalid: .* ids in \[0, 24\)"),
+        (dict(stop_tokens=[[1], [2], [3]]), ValueError, r"stop_tokens has 3 lists: expected one per prompt \(2\)"),
+        # max_new_tokens reaches the round as int32; 10**400 has no float
+        (dict(max_new_tokens=2**31), ValueError, r"max_new_tokens\[0\]=2147483648 is invalid: .* \[1, 2147483647\]"),
+        (dict(temperature=10**400), ValueError, r"temperature\[0\]=10+ is invalid: .* finite in float32"),
+        (dict(temperature=jnp.array([[0.5, 0.5]])), ValueError, "temperature has 1 entries: expected one per prompt"),
     ],
 )
 def test_bad_input_raises_before_compiling(small_pair, kwargs, error, message):
@@ -301,6 +324,77 @@ def test_bad_input_raises_before_compiling(small_pair, kwargs, error, message):
     args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=5, key=jax.random.key(0)) | kwargs
     with pytest.raises(error, match=message):
         speculative_generate(target, draft, **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(device_loop="no"), TypeError, "device_loop='no' is invalid: must be True or False"),
+        (dict(temperature=[0.0, True]), TypeError, r"temperature\[1\]=True is invalid"),
+        (dict(stop_tokens=5), TypeError, "stop_tokens=5 is invalid"),
+        (dict(capacity=np.int64(8)), ValueError, "capacity=8 is too small"),
+    ],
+)
+def test_plain_generate_refuses_bad_input(small_pair, kwargs, error, message):
+    target, _ = small_pair
+    args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=5, key=jax.random.key(0)) | kwargs
+    with pytest.raises(error, match=message):
+        generate(target, **args)
+
+
+def test_numpy_and_jax_numbers_act_as_python_numbers(small_pair):
+    target, draft = small_pair
+    run = functools.partial(speculative_generate, target, draft, [[1, 2, 3], [4]], key=jax.random.key(2))
+    want = run(max_new_tokens=5, temperature=0.7, top_k=[None, 5], top_p=0.9, stop_tokens=[3], capacity=32)
+    scalars = run(
+        max_new_tokens=np.int64(5),
+        temperature=jnp.float32(0.7),
+        top_k=[None, np.int32(5)],
+        top_p=jnp.float32(0.9),
+        stop_tokens=np.array([3]),
+        capacity=np.int64(32),
+    )
+    per_request = run(
+        max_new_tokens=[5, np.int16(5)],
+        temperature=jnp.array([0.7, 0.7]),  # temperatures may come one per request
+        top_k=[None, 5],
+        top_p=np.array([0.9, 0.9]),
+        stop_tokens=[[3], np.array([3])],
+        capacity=32,
+    )
+    assert scalars.tokens == want.tokens
+    assert per_request.tokens == want.tokens
+
+
+@pytest.mark.parametrize(
+    "target_limit, draft_limit, exceeded",
+    [
+        (16, 4096, "the target's max_position_embeddings=16$"),
+        (4096, 16, "the draft's max_position_embeddings=16$"),
+        (16, 16, "the target's max_position_embeddings=16 and the draft's max_position_embeddings=16$"),
+    ],
+)
+def test_requests_past_max_position_embeddings_are_refused(target_limit, draft_limit, exceeded):
+    target = Qwen3Target(dataclasses.replace(_target_cfg(V), max_position_embeddings=target_limit), rngs=nnx.Rngs(0))
+    bigram = np.arange(V)
+    draft = _rigged_draft(
+        target, bigram, gamma=3, sample_from_anchor=True, keep=0.5, strength=5.0, max_position_embeddings=draft_limit
+    )
+    prompts, key = [[1], [2] * 10], jax.random.key(0)
+    # γ = 3: the last round verifies up to γ − 1 = 2 positions past the output, so
+    # prompt + max_new_tokens + 2 positions must fit: 10 + 4 + 2 = 16 does, 10 + 5 + 2 does not.
+    message = r"prompts\[1\] has 10 tokens and max_new_tokens\[1\]=5: prompt \+ max_new_tokens \+ gamma - 1 = 17 "
+    with pytest.raises(ValueError, match=message + ".* exceed " + exceeded):
+        speculative_generate(target, draft, prompts, max_new_tokens=[9, 5], key=key)
+    with pytest.raises(ValueError, match="capacity=1 is too small"):  # past the position check
+        speculative_generate(target, draft, prompts, max_new_tokens=[9, 4], key=key, capacity=1)
+    # Plain decoding runs no lookahead: prompt + max_new_tokens positions must fit the target.
+    if target_limit == 16:
+        message = r"prompts\[1\] has 10 tokens and max_new_tokens\[1\]=7: prompt \+ max_new_tokens = 17 positions"
+        with pytest.raises(ValueError, match=message + " exceed the target's max_position_embeddings=16$"):
+            generate(target, prompts, max_new_tokens=7, key=key)
+    with pytest.raises(ValueError, match="capacity=1 is too small"):
+        generate(target, prompts, max_new_tokens=6, key=key, capacity=1)
 
 
 def test_misfit_draft_raises(small_pair):
