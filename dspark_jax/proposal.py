@@ -85,6 +85,7 @@ def check_shapes(
     *,
     input_embeds: Any = None,
     slots: Any = None,
+    fold_sampling: Any = True,
 ) -> int:
     """Checks the static shapes and dtypes of a proposal's inputs (works on tracers).
 
@@ -96,6 +97,8 @@ def check_shapes(
       input_embeds: optional ``[B, R, H]``.
       slots: optional ``[B]`` cache slot per row; without it the cache must hold exactly
         ``B`` slots.
+      fold_sampling: the round's static flag, which must be a bool (a string such as "no"
+        would be true).
 
     Returns:
       ``B``.
@@ -104,8 +107,11 @@ def check_shapes(
       ValueError: a shape does not match.
       TypeError: ``bonus``, ``prefix_lens``, ``top_k`` or ``slots`` is not of an integer
         dtype, ``temperatures`` of neither a float nor an integer one, the cache's keys or
-        values not of a floating dtype, or ``key`` is not an allowed key.
+        values not of a floating dtype, ``key`` is not an allowed key, or ``fold_sampling``
+        is not a bool.
     """
+    if not isinstance(fold_sampling, (bool, np.bool_)):
+        raise TypeError(f"fold_sampling={fold_sampling!r} is invalid: must be True or False")
     if not isinstance(cache, ContextCache):
         raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
     bonus_shape = tuple(np.shape(bonus))
@@ -158,6 +164,7 @@ def validate_proposal_inputs(
     input_embeds: Any = None,
     slots: Any = None,
     max_batch: int | None = None,
+    fold_sampling: Any = True,
 ) -> int:
     """Checks a proposal's inputs on the host, before anything is compiled.
 
@@ -177,6 +184,7 @@ def validate_proposal_inputs(
       slots: optional ``[B]`` cache slot of each row, in ``[0, cache.batch)``; when
         omitted the cache must have exactly ``B`` slots.
       max_batch: the largest batch allowed, if any.
+      fold_sampling: the round's flag, which must be a bool.
 
     Returns:
       ``B``.
@@ -198,6 +206,7 @@ def validate_proposal_inputs(
         key,
         input_embeds=input_embeds,
         slots=slots,
+        fold_sampling=fold_sampling,
     )
     ints = {"bonus": np.asarray(bonus), "prefix_lens": np.asarray(prefix_lens), "top_k": np.asarray(top_k)}
     _check_range("bonus", ints["bonus"], 0, cfg.vocab_size - 1, f"token ids in [0, vocab_size={cfg.vocab_size})")
@@ -496,6 +505,7 @@ def propose_with(
         key,
         input_embeds=input_embeds,
         slots=slots,
+        fold_sampling=fold_sampling,
     )
     x = backbone_stage(draft, None, cache, bonus, prefix_lens, input_embeds=input_embeds, slots=slots)
     return head_stage(draft, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
@@ -670,7 +680,17 @@ def propose_eager(
     Raises:
       ValueError, TypeError: a value, shape or dtype is wrong (:func:`validate_proposal_inputs`).
     """
-    validate_proposal_inputs(draft.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, input_embeds=input_embeds)
+    validate_proposal_inputs(
+        draft.cfg,
+        cache,
+        bonus,
+        prefix_lens,
+        temperatures,
+        top_k,
+        key,
+        input_embeds=input_embeds,
+        fold_sampling=fold_sampling,
+    )
     graphdef, state = nnx.split(draft)
     return run_eager(
         graphdef,

@@ -337,8 +337,9 @@ class Proposer:
 
         Raises:
           ValueError: bad ``max_batch``, ``capacity`` or ``num_slots``.
-          TypeError: ``executable_store`` is not a path, None or False, or ``cache_dtype`` is
-            not a floating dtype.
+          TypeError: ``executable_store`` is not a path, None or False, ``cache_dtype`` is
+            not a floating dtype, or ``unpad`` / ``twin_programs`` not a bool (a string such
+            as "no" would be true).
         """
         if executable_store is True or not (
             executable_store is None or executable_store is False or isinstance(executable_store, str | os.PathLike)
@@ -347,8 +348,12 @@ class Proposer:
                 f"executable_store={executable_store!r} is invalid: must be a directory path, None (follow jax's "
                 "compilation cache directory) or False (none)"
             )
+        if not isinstance(unpad, bool):
+            raise TypeError(f"unpad={unpad!r} is invalid: must be True or False")
+        if not (twin_programs is None or isinstance(twin_programs, bool)):
+            raise TypeError(f"twin_programs={twin_programs!r} is invalid: must be True, False or None")
         self._store_directory = executable_store
-        self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
+        self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else twin_programs
         self.cfg = draft.cfg
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]

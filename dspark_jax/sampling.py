@@ -530,12 +530,16 @@ def sample_step(
     Raises:
       ValueError: ``logits`` is not ``[B, V]``, or ``temperatures`` or ``greedy_mask`` not ``[B]``
         (checked while tracing; a ``[1]`` would otherwise broadcast over the rows unnoticed).
+      TypeError: ``greedy_mask`` is not bool (a float or integer array, temperatures passed by
+        mistake say, would pick the greedy rows by being nonzero).
     """
-    if np.ndim(logits) != 2:
-        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V]")
+    if np.ndim(logits) != 2 or np.shape(logits)[1] < 1:
+        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V] with V >= 1")
     for name, value in (("temperatures", temperatures), ("greedy_mask", greedy_mask)):
         if tuple(np.shape(value)) != np.shape(logits)[:1]:
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = {np.shape(logits)[:1]}")
+    if dtype_of(greedy_mask) != jnp.bool_:
+        raise TypeError(f"greedy_mask has dtype {dtype_of(greedy_mask)}: expected bool (True for greedy rows)")
     logits = logits.astype(jnp.float32)  # [B, V]
     batch, vocab = logits.shape
     width = race_width(vocab)

@@ -355,7 +355,9 @@ class SplitRound:
           The :class:`~dspark_jax.proposal.DraftBlock`.
         """
         if not self.twin_programs:
-            check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
+            check_shapes(
+                self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots, fold_sampling=fold_sampling
+            )
             backbone = self._jitted_backbone(backbone_compile_options(jnp.shape(bonus)[0]))
             x = None
             for start, stop in self.ranges:
@@ -369,7 +371,9 @@ class SplitRound:
         pieces, head = self._pieces.get(sig), self._heads.get((sig, fold_sampling))
         if pieces is None or head is None:
             # a signature seen before passed these checks (they depend on shapes and dtypes only)
-            check_shapes(self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots)
+            check_shapes(
+                self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots, fold_sampling=fold_sampling
+            )
             return self._compile_and_run(sig, cache, bonus, prefix_lens, temperatures, top_k, key, fold_sampling, slots)
         x = None
         for piece, sub in pieces:

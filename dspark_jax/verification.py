@@ -369,6 +369,7 @@ def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniform
     _check_dtypes(
         {
             "block.draft_tokens": (block.draft_tokens, jnp.integer),
+            "block.greedy_mask": (block.greedy_mask, jnp.bool_),
             "block.temperatures": (block.temperatures, jnp.floating),
             "top_k": (top_k, jnp.integer),
             "top_p": (top_p, jnp.floating),
@@ -399,7 +400,7 @@ def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) 
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} ({allowed})")
 
 
-_DTYPE_KINDS = {jnp.integer: "an integer dtype", jnp.floating: "a floating dtype"}
+_DTYPE_KINDS = {jnp.integer: "an integer dtype", jnp.floating: "a floating dtype", jnp.bool_: "bool"}
 
 
 def _check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
@@ -450,7 +451,18 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
 
     Returns:
       ``verify_len [B]`` int32 in ``[1, γ+1]``.
+
+    Raises:
+      ValueError: ``confidence`` is not ``[B, γ]``, ``steps_per_second`` not ``[N]`` with
+        ``N > B·(γ+1)``.
+      TypeError: either is not of a floating dtype.
     """
+    if np.ndim(confidence) != 2 or np.ndim(steps_per_second) != 1:
+        raise ValueError(
+            f"confidence has shape {np.shape(confidence)} and steps_per_second {np.shape(steps_per_second)}: "
+            "expected [B, γ] and [N]"
+        )
+    _check_dtypes({"confidence": (confidence, jnp.floating), "steps_per_second": (steps_per_second, jnp.floating)})
     b, gamma = confidence.shape
     if steps_per_second.shape[0] <= b * (gamma + 1):
         raise ValueError(

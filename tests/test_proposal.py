@@ -15,6 +15,7 @@ from dspark_jax.cache import fill_context, init_context_cache
 from dspark_jax.proposal import DraftBlock, propose, propose_eager, validate_proposal_inputs
 from dspark_jax.proposer import CompileCounter
 from dspark_jax.sampling import TOP_K_ALL, log_exponential_noise, row_keys, step_keys
+from dspark_jax.split_round import SplitRound
 
 B, N_CTX, CAPACITY = 4, 6, 12
 PREFIX = np.array([6, 3, 0, 5])
@@ -312,6 +313,22 @@ def test_jitted_propose_refuses_wrong_dtypes_while_tracing(small_round, change, 
         step(graphdef, state, cache, *(args[n] for n in names))
     bf16 = jnp.asarray(good["temperatures"], jnp.bfloat16)  # a float dtype NumPy does not know as one
     assert validate_proposal_inputs(draft.cfg, cache, **{**good, "temperatures": bf16}) == 4
+
+
+def test_a_fold_sampling_flag_that_is_not_a_bool_is_refused(small_round):
+    """The flag is static: a string such as "no" was true, and folded sampling in."""
+    draft, cache, good = small_round
+    names = ("bonus", "prefix_lens", "temperatures", "top_k", "key")
+    with pytest.raises(TypeError, match="fold_sampling='no' is invalid: must be True or False"):
+        propose_eager(draft, cache, *(good[n] for n in names), fold_sampling="no")
+    graphdef, state = nnx.split(draft)
+    step = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    args = [jnp.asarray(good[n]) if n != "key" else good[n] for n in names]
+    with pytest.raises(TypeError, match="fold_sampling=1 is invalid: must be True or False"):
+        step(graphdef, state, cache, *args, fold_sampling=1)
+    split = SplitRound(draft, twin_programs=False)
+    with pytest.raises(TypeError, match="fold_sampling='yes' is invalid"):
+        split(cache, *args, fold_sampling="yes")
 
 
 def test_input_embeds_of_wrong_shape_are_rejected(small_round):

@@ -608,6 +608,14 @@ def test_a_non_floating_cache_dtype_is_refused_at_construction(cache_dtype, mess
         Proposer(draft, max_batch=2, capacity=CAPACITY, cache_dtype=cache_dtype, executable_store=False)
 
 
+def test_flags_that_are_not_bools_are_refused_at_construction():
+    """``unpad="no"`` was true; ``twin_programs`` also takes None (twins on GPUs only)."""
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    for flags, message in ((dict(unpad="no"), "unpad='no' is invalid"), (dict(twin_programs=0), "twin_programs=0")):
+        with pytest.raises(TypeError, match=message):
+            Proposer(draft, max_batch=2, capacity=CAPACITY, executable_store=False, **flags)
+
+
 def test_a_call_without_slots_and_more_rows_than_slots_says_rows_use_the_first_slots():
     """Rows without ``slots`` draft slots 0..B−1: with 2 slots, 3 rows must name the slots."""
     draft = random_draft(tiny_config(**CFG), seed=0)

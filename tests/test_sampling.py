@@ -249,6 +249,14 @@ def test_bad_key_raises_type_error_naming_key(key):
         row_keys(key, 4)
 
 
+def test_sample_step_refuses_a_greedy_mask_that_is_not_bool():
+    """A float mask (temperatures passed in its place, say) would pick rows by being nonzero."""
+    step = jax.jit(S.sample_step)
+    for mask in (jnp.asarray([0.0, 0.7, 1.0]), jnp.asarray([0, 1, 0], jnp.int32)):
+        with pytest.raises(TypeError, match=f"greedy_mask has dtype {mask.dtype}: expected bool"):
+            step(jnp.zeros((3, 8)), jnp.ones((3,)), mask, jax.random.key(0))
+
+
 def test_typed_keys_of_wrong_batch_raise():
     with pytest.raises(TypeError, match=r"key has shape \(3,\) for batch 4"):
         row_keys(jax.random.split(jax.random.key(0), 3), 4)
@@ -260,6 +268,7 @@ def test_typed_keys_of_wrong_batch_raise():
         ((3, 8), (1,), (3,), r"temperatures has shape \(1,\): expected \[B\] = \(3,\)"),
         ((3, 8), (3,), (3, 1), r"greedy_mask has shape \(3, 1\): expected \[B\] = \(3,\)"),
         ((8,), (1,), (1,), r"logits has shape \(8,\): expected \[B, V\]"),
+        ((3, 0), (3,), (3,), r"logits has shape \(3, 0\): expected \[B, V\] with V >= 1"),
     ],
 )
 def test_sample_step_refuses_mismatched_shapes_while_tracing(logits, temps, greedy, message):

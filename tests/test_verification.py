@@ -335,6 +335,23 @@ def test_schedule_verify_lengths_rejects_short_table():
         schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((5,)))
 
 
+def test_schedule_verify_lengths_refuses_wrong_ranks_and_dtypes():
+    with pytest.raises(ValueError, match=r"confidence has shape \(3,\) and steps_per_second \(20,\): expected"):
+        schedule_verify_lengths(jnp.ones((3,)), jnp.ones((20,)))
+    with pytest.raises(ValueError, match=r"steps_per_second \(20, 1\): expected \[B, γ\] and \[N\]"):
+        schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((20, 1)))
+    with pytest.raises(TypeError, match="confidence has dtype int32: expected a floating dtype"):
+        schedule_verify_lengths(jnp.ones((2, 3), jnp.int32), jnp.ones((20,)))
+
+
+def test_accept_refuses_a_greedy_mask_that_is_not_bool():
+    logits = jnp.zeros((1, 3, 3), jnp.float32)
+    block = _block(np.array([[1, 0]]), np.zeros((1, 2, 3)), np.array([False]), np.array([1.0]))
+    block = block.replace(greedy_mask=jnp.asarray([0.0]))
+    with pytest.raises(TypeError, match="block.greedy_mask has dtype float32: expected bool"):
+        accept(logits, block, top_k=jnp.asarray([TOP_K_ALL]), top_p=jnp.asarray([1.0]), key=jax.random.key(0))
+
+
 def test_out_of_vocabulary_drafts_are_rejected_and_the_target_picks_the_bonus():
     """An id outside [0, V) ends the row's drafts like a verify cap: nothing from it on is
     accepted (a negative id must not wrap to token V − 1), and the bonus there is the target's."""
