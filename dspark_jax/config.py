@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 from typing import Any
@@ -77,8 +78,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        _fail(name, value, "must be a number > 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        _fail(name, value, "must be a finite number > 0")
 
 
 def _check_dtype(name: str, value: Any) -> None:

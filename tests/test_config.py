@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -151,8 +152,10 @@ DRAFT_ERRORS = [
     ({"head_dim": 7}, "head_dim", 7, "must be even"),
     ({"vocab_size": 0}, "vocab_size", 0, "integer >= 1"),
     ({"max_position_embeddings": 0}, "max_position_embeddings", 0, "integer >= 1"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps", 0.0, "a number > 0"),
-    ({"rope_theta": -1.0}, "rope_theta", -1.0, "a number > 0"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps", 0.0, "a finite number > 0"),
+    ({"rms_norm_eps": math.inf}, "rms_norm_eps", math.inf, "a finite number > 0"),
+    ({"rope_theta": -1.0}, "rope_theta", -1.0, "a finite number > 0"),
+    ({"rope_theta": math.inf}, "rope_theta", math.inf, "a finite number > 0"),
     ({"attention_bias": "no"}, "attention_bias", "no", "True or False"),
     ({"dtype": "float64"}, "dtype", "float64", "['bfloat16', 'float16', 'float32']"),
     ({"param_dtype": "int8"}, "param_dtype", "int8", "['bfloat16', 'float16', 'float32']"),
