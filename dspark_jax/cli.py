@@ -8,7 +8,31 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+from collections.abc import Callable
+
+SEED_MAX = 2**32 - 1
+"""The largest ``--seed`` (NumPy's generators and ``jax.random.key`` take it)."""
+
+
+def number_flag(kind: type, low: float, high: float = math.inf, *, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` number in ``[low, high]`` (``(low, high]`` with
+    ``open_low``), so that a bad flag is refused by name before any checkpoint loads."""
+    bounds = f"{'(' if open_low else '['}{low}, {high}]" if high < math.inf else f"{'>' if open_low else '>='} {low}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        inside = (value > low if open_low else value >= low) and value <= high
+        if not (math.isfinite(value) and inside):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {'in ' if high < math.inf else ''}{bounds}")
+        return value
+
+    return parse
+
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -29,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"dspark-jax: unknown command {argv[0]!r}: choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"dspark-jax {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)

@@ -15,6 +15,7 @@ import time
 import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
+from dspark_jax.cli import SEED_MAX, number_flag
 
 PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -36,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
     )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in)")
-    parser.add_argument("--max-new", type=int, default=96, help="new tokens per prompt")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new", type=number_flag(int, 1), default=96, help="new tokens per prompt")
+    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
 
 
 def run(args: argparse.Namespace) -> int:

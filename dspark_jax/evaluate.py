@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
+from dspark_jax.cli import SEED_MAX, number_flag
 
 
 def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -151,12 +153,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DRAFT_DIRS["dflash"],
         help="second draft for the ablation (default: bundled DFlash-style draft); 'none' to skip",
     )
-    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")
-    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
-    parser.add_argument("--max-new", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--prompts", type=number_flag(int, 1), default=32, help="held-out prompts")
+    parser.add_argument("--prompt-len", type=number_flag(int, 1), default=64, help="tokens per prompt")
+    parser.add_argument("--max-new", type=number_flag(int, 1), default=128, help="new tokens per prompt")
+    parser.add_argument("--temperatures", type=number_flag(float, 0), nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
+    parser.add_argument("--json", help="also write the results to this file (its folder must exist)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,12 +166,23 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer
 
+    if len(set(args.temperatures)) != len(args.temperatures):
+        raise ValueError(f"--temperatures {args.temperatures} is invalid: each temperature once")
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        raise ValueError(f"--json={args.json!r} is invalid: must be a file path in an existing folder")
     t0 = time.perf_counter()
     target = load_target(args.target, dtype="float32")
     tokenizer = load_tokenizer(args.target)
     drafts = {"DSpark": load_draft(args.draft, target=target)}
     if args.baseline_draft and args.baseline_draft.lower() != "none":
         drafts["DFlash-style"] = load_draft(args.baseline_draft, target=target)
+    limit = min(target.config.max_position_embeddings, *(d.cfg.max_position_embeddings for d in drafts.values()))
+    need = args.prompt_len + args.max_new + max(d.cfg.gamma for d in drafts.values()) - 1
+    if need > limit:  # before the held-out text is read and encoded
+        raise ValueError(
+            f"--prompt-len {args.prompt_len} + --max-new {args.max_new} (+ gamma - 1 that the last round verifies) "
+            f"= {need} positions exceed the models' max_position_embeddings={limit}"
+        )
     prompts = heldout_prompts(tokenizer, count=args.prompts, length=args.prompt_len, seed=args.seed)
     results = compare_drafts(
         target,

@@ -9,34 +9,15 @@ plain decoding with the target alone (both compiled first, then timed).
 from __future__ import annotations
 
 import argparse
-import math
 import os
-from collections.abc import Callable
 
 import jax
 
 from dspark_jax.checkpoint import load_draft
+from dspark_jax.cli import SEED_MAX, number_flag
 from dspark_jax.generation import GenerationResult, generate, speculative_generate
 from dspark_jax.target import check_pair, load_target
 from dspark_jax.tokenizer import load_tokenizer
-
-
-def _ranged(kind: type, low: float, high: float = math.inf, *, open_low: bool = False) -> Callable[[str], float]:
-    """An argparse type: a ``kind`` number in ``[low, high]`` (``(low, high]`` with ``open_low``),
-    finite, so that a bad flag is refused before any checkpoint loads, naming the flag."""
-    bounds = f"{'(' if open_low else '['}{low}, {high}]" if high < math.inf else f"{'>' if open_low else '>='} {low}"
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        inside = (value > low if open_low else value >= low) and value <= high
-        if not (math.isfinite(value) and inside):
-            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {'in ' if high < math.inf else ''}{bounds}")
-        return value
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, help="DSpark draft checkpoint folder")
     parser.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     parser.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the target folder)")
-    parser.add_argument("--max-new-tokens", type=_ranged(int, 1), default=64)
-    parser.add_argument("--temperature", type=_ranged(float, 0), default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=_ranged(int, 1), default=None, help="default: no top-k; 1 = greedy")
-    parser.add_argument("--top-p", type=_ranged(float, 0, 1, open_low=True), default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=number_flag(int, 1), default=64)
+    parser.add_argument("--temperature", type=number_flag(float, 0), default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=number_flag(int, 1), default=None, help="default: no top-k; 1 = greedy")
+    parser.add_argument("--top-p", type=number_flag(float, 0, 1, open_low=True), default=1.0)
+    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
     parser.add_argument("--compare", action="store_true", help="also time plain decoding with the target alone")

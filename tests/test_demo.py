@@ -18,3 +18,16 @@ def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
     assert "greedy output identical to plain decoding: yes" in out
     assert len(re.findall(r"^acceptance by position 1\.\.7: ", out, re.M)) == 2
     assert len(re.findall(r"^speed: .* ratio [0-9.]+×", out, re.M)) == 2
+
+
+def test_demo_flags_out_of_range_and_unknown_commands_are_refused(capsys):
+    for flags, says in ((["--max-new", "0"], "argument --max-new: '0' is invalid"), (["--seed", "-2"], "--seed")):
+        try:
+            main(["demo", *flags])
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{flags} was accepted")
+        assert says in capsys.readouterr().err
+    assert main(["bogus"]) == 2
+    assert "unknown command 'bogus': choose one of demo, generate" in capsys.readouterr().err

@@ -46,3 +46,32 @@ def test_tables_show_ratio_against_the_baseline():
     text = format_tables(results)
     assert "| A / B | 1.500× | 1.100× |" in text
     assert "| A | 3.000 | 2.200 |" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--prompts", "0"], "argument --prompts: '0' is invalid: must be >= 1"),
+        (["--max-new", "-3"], "argument --max-new: '-3' is invalid: must be >= 1"),
+        (["--temperatures", "nan"], "argument --temperatures: 'nan' is invalid: must be >= 0"),
+        (["--seed", "-1"], "argument --seed: '-1' is invalid: must be in [0, 4294967295]"),
+        (["--seed", "99999999999999999999999"], "argument --seed: '99999999999999999999999' is invalid"),
+    ],
+)
+def test_eval_flags_out_of_range_are_refused_by_argparse(flags, says, capsys):
+    """Before, these failed after loading, naming internal fields (``count=0``, ``temperature[0]``)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", *flags])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_eval_refuses_bad_settings_before_reading_the_held_out_text(tmp_path):
+    """Repeated temperatures were merged into fewer columns; a --json in a missing folder failed
+    after the whole evaluation; prompts too long for the models failed after encoding."""
+    with pytest.raises(ValueError, match=r"--temperatures \[0.0, 0.0, 1.0\] is invalid: each temperature once"):
+        main(["eval", "--temperatures", "0", "0", "1"])
+    for path in (tmp_path / "missing" / "x.json", tmp_path):
+        with pytest.raises(ValueError, match="--json=.* is invalid: must be a file path in an existing folder"):
+            main(["eval", "--json", str(path)])
+    with pytest.raises(ValueError, match=r"--prompt-len 500 \+ --max-new 128 .* exceed the models' max_position"):
+        main(["eval", "--prompt-len", "500"])
