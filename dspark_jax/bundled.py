@@ -23,12 +23,19 @@ def load_bundled(draft: str = "dspark", *, dtype: str = "float32"):
 
     Returns:
       ``(target, draft, tokenizer)``.
+
+    Raises:
+      ValueError: an unknown ``draft`` (or, from the loaders, ``dtype``).
+      TypeError: ``dtype`` is not a name (None would load the target in float16 and the
+        draft in float32).
     """
     from dspark_jax.checkpoint import load_draft
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer
 
-    if draft not in DRAFT_DIRS:
+    if not isinstance(draft, str) or draft not in DRAFT_DIRS:
         raise ValueError(f"draft={draft!r} is invalid: must be one of {sorted(DRAFT_DIRS)}")
+    if not isinstance(dtype, str):  # None would mean each loader's own default: float16 and float32
+        raise TypeError(f"dtype={dtype!r} is invalid: must be a dtype name such as 'float32' or 'bfloat16'")
     target = load_target(TARGET_DIR, dtype=dtype)
     return target, load_draft(DRAFT_DIRS[draft], target=target, dtype=dtype), load_tokenizer(TARGET_DIR)

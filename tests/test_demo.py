@@ -2,6 +2,9 @@
 
 import re
 
+import pytest
+
+from dspark_jax.bundled import load_bundled
 from dspark_jax.cli import main
 
 # Two prompts and 16 new tokens: the same shapes as the notebooks' and the eval test's
@@ -31,3 +34,14 @@ def test_demo_flags_out_of_range_and_unknown_commands_are_refused(capsys):
         assert says in capsys.readouterr().err
     assert main(["bogus"]) == 2
     assert "unknown command 'bogus': choose one of demo, generate" in capsys.readouterr().err
+
+
+def test_load_bundled_refuses_a_draft_or_dtype_it_cannot_name():
+    """``dtype=None`` loaded the target in float16 and the draft in float32; a list as the
+    draft's name failed as an unhashable type."""
+    with pytest.raises(TypeError, match="dtype=None is invalid: must be a dtype name"):
+        load_bundled(dtype=None)
+    with pytest.raises(ValueError, match=r"draft=\['dspark'\] is invalid: must be one of \['dflash', 'dspark'\]"):
+        load_bundled(["dspark"])
+    target, draft, tokenizer = load_bundled("dflash", dtype="bfloat16")
+    assert draft.cfg.markov_rank == 0 and tokenizer.vocab_size == target.config.vocab_size
