@@ -30,12 +30,16 @@ from dspark_jax.target import Qwen3Target
 from dspark_jax.train import (
     TrainResult,
     cast_params,
+    check_output_folder,
     check_schedule_fields,
     check_token_stream,
     fit,
     optimizer_for,
+    positive_seconds,
     sample_windows,
 )
+
+DEFAULT_VOCAB_SIZE = 2048
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +123,11 @@ def train_target(
 
     Returns:
       A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
+
+    Raises:
+      ValueError: ``seq_len`` does not fit the positions, a bad token stream, ``resume``
+        without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, or a
+        checkpoint that cannot be resumed (naming the settings that differ).
     """
     check_window_fits(cfg, tcfg.seq_len)
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
@@ -164,8 +173,13 @@ def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output checkpoint folder")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer vocabulary (special tokens included)")
+    parser.add_argument("--out", required=True, help="output checkpoint folder (new, or --resume)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help=f"tokenizer vocabulary, special tokens included (default {DEFAULT_VOCAB_SIZE}; "
+        "with --resume, the saved tokenizer's)",
+    )
     parser.add_argument("--hidden-size", type=int, default=192)
     parser.add_argument("--intermediate-size", type=int, default=576)
     parser.add_argument("--layers", type=int, default=4)
@@ -180,7 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoint-every", type=int, default=1000)
-    parser.add_argument("--max-seconds", type=float, help="stop early after this much training time")
+    parser.add_argument(
+        "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint (reuses OUT/tokenizer.json)"
     )
@@ -190,16 +206,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``dspark-jax train-target``: tokenizer, training, checkpoint and ``training.json``.
 
+    The vocabulary is the tokenizer's: on ``--resume`` the saved ``OUT/tokenizer.json``;
+    otherwise a BPE trained to ``--vocab-size``, which can come out smaller when the
+    corpus runs out of repeated pairs (a warning line on stderr names both sizes; the
+    model is built for the size the tokenizer has).
+
     Raises:
-      ValueError: the model or training settings are invalid (raised before the
-        tokenizer is trained and before anything is written).
+      ValueError: ``--out`` is an existing file, holds a model without ``--resume`` or
+        lacks a training checkpoint with ``--resume``; ``--vocab-size`` is below the
+        bytes plus special tokens, or differs from the saved tokenizer's on ``--resume``;
+        the model or training settings are invalid. All raised before the tokenizer is
+        trained and before anything is written.
     """
     from dspark_jax.corpus import encode_documents, load_corpus
     from dspark_jax.target import save_target
-    from dspark_jax.tokenizer import load_tokenizer, train_bpe
+    from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS, load_tokenizer, train_bpe
 
     # Validate the settings before the tokenizer's BPE training (seconds) writes anything;
     # the vocabulary size becomes the tokenizer's once it exists.
+    check_output_folder(args.out, resume=args.resume)
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    tokenizer = load_tokenizer(tok_path) if args.resume and os.path.isfile(tok_path) else None
+    vocab_size = DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
+    if tokenizer is not None:
+        if args.vocab_size is not None and args.vocab_size != tokenizer.vocab_size:
+            raise ValueError(
+                f"--vocab-size {args.vocab_size} differs from the saved tokenizer {tok_path!r} of "
+                f"{tokenizer.vocab_size} ids: --resume keeps the saved tokenizer; drop --vocab-size or start anew"
+            )
+        vocab_size = tokenizer.vocab_size
+    elif vocab_size < 256 + len(DEFAULT_SPECIAL_TOKENS):
+        raise ValueError(
+            f"--vocab-size {vocab_size} is invalid: must be an integer >= {256 + len(DEFAULT_SPECIAL_TOKENS)} "
+            f"(256 bytes + {len(DEFAULT_SPECIAL_TOKENS)} special tokens)"
+        )
     cfg = TargetConfig(
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
@@ -207,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         head_dim=args.head_dim,
-        vocab_size=args.vocab_size,
+        vocab_size=vocab_size,
         max_position_embeddings=args.context,
         rope_theta=10_000.0,
         tie_word_embeddings=True,
@@ -224,13 +264,16 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     corpus = load_corpus()
     train_texts = corpus.texts("train")
-    tok_path = os.path.join(args.out, "tokenizer.json")
     t0 = time.perf_counter()
-    if args.resume and os.path.isfile(tok_path):
-        tokenizer = load_tokenizer(tok_path)
-    else:
-        print(f"training a {args.vocab_size}-token BPE on {len(train_texts)} files …", file=sys.stderr)
-        tokenizer = train_bpe(train_texts, args.vocab_size)
+    if tokenizer is None:
+        print(f"training a {vocab_size}-token BPE on {len(train_texts)} files …", file=sys.stderr)
+        tokenizer = train_bpe(train_texts, vocab_size)
+        if tokenizer.vocab_size < vocab_size:
+            print(
+                f"warning: --vocab-size {vocab_size} asked, but the BPE has {tokenizer.vocab_size} ids (the corpus "
+                f"ran out of pairs that occur twice); the target is built for {tokenizer.vocab_size}",
+                file=sys.stderr,
+            )
         tokenizer.save(tok_path)
     tokens = encode_documents(tokenizer, train_texts)
     print(f"tokenizer + encoding: {time.perf_counter() - t0:.1f} s, {tokens.size} training tokens", file=sys.stderr)

@@ -48,6 +48,8 @@ from dspark_jax.config import DraftConfig, TargetConfig, is_integer, normalise_n
 
 CHECKPOINT_ARRAYS = "train_state.npz"
 CHECKPOINT_META = "train_state.json"
+MODEL_FILES = ("config.json", "model.safetensors")  # a folder holding one of these holds a model
+DISTILL_PROMPT_LEN = 32  # corpus tokens that open each sequence the target writes for distillation
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -200,6 +202,76 @@ class Progress:
             self.stream.flush()
 
 
+def settings_differences(saved: Any, wanted: Any, name: str = "") -> list[str]:
+    """Each setting that differs between a checkpoint's metadata and this run's, as text.
+
+    Dictionaries are compared key by key (``train_config.steps``); other values whole.
+
+    Returns:
+      ``"NAME: checkpoint X, this run Y"`` for every difference, sorted by name; empty
+      when the settings agree.
+    """
+    if isinstance(saved, dict) and isinstance(wanted, dict):
+        out = []
+        for key in sorted(set(saved) | set(wanted), key=str):
+            child = f"{name}.{key}" if name else str(key)
+            out += settings_differences(saved.get(key), wanted.get(key), child)
+        return out
+    return [] if saved == wanted else [f"{name}: checkpoint {saved!r}, this run {wanted!r}"]
+
+
+def check_max_seconds(max_seconds: float | None) -> None:
+    """Raises ``ValueError`` unless ``max_seconds`` is ``None`` or a finite number ``> 0``."""
+    if max_seconds is None:
+        return
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, numbers.Real):
+        raise ValueError(f"max_seconds={max_seconds!r} is invalid: must be a finite number > 0 or None")
+    if not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise ValueError(f"max_seconds={max_seconds!r} is invalid: must be a finite number > 0 or None")
+
+
+def positive_seconds(text: str) -> float:
+    """Argparse type of ``--max-seconds``: a finite number of seconds ``> 0``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a finite number of seconds > 0")
+    return value
+
+
+def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
+    """Refuses an output folder that a training command would overwrite by accident.
+
+    Args:
+      out: the folder the command writes its model (and ``checkpoint/``) into.
+      resume: the run continues from ``out/checkpoint``.
+      flag: the option that named ``out``, for the messages.
+
+    Raises:
+      ValueError: ``out`` is an existing file; it already holds a model (``config.json``
+        or ``model.safetensors``) and ``resume`` is false; or ``resume`` is true and
+        ``out/checkpoint`` holds no training checkpoint.
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{flag} {out!r} is an existing file: must be a folder (new, or one to --resume)")
+    if resume:
+        meta = os.path.join(out, "checkpoint", CHECKPOINT_META)
+        if not os.path.isfile(meta):
+            raise ValueError(
+                f"--resume needs a training checkpoint in {flag} {out!r}, but {meta!r} is missing: "
+                "drop --resume to start a new run"
+            )
+        return
+    held = [name for name in MODEL_FILES if os.path.isfile(os.path.join(out, name))]
+    if held:
+        raise ValueError(
+            f"{flag} {out!r} already holds a model ({', '.join(held)}): give a new folder, "
+            "or --resume to continue its training"
+        )
+
+
 def cast_params(module: nnx.Module, dtype: str) -> None:
     """Casts every ``nnx.Param`` of ``module`` in place (float leaves only)."""
     target = jnp.dtype(dtype)
@@ -236,18 +308,29 @@ def fit(
         steps, at ``end`` and when out of time); ``None``: nowhere.
       resume: continue from the state in ``checkpoint_dir``.
       progress: draw the progress bar.
-      max_seconds: stop (and checkpoint) once the loop has run this long.
+      max_seconds: stop (and checkpoint) once the loop has run this long; ``None``: no limit.
       end: the step to stop after (``<= tcfg.steps``).
       record_every_step: read the metrics back every step (else only on logged steps).
 
     Returns:
       ``(params, history, steps done)``; ``history`` maps each metric to the values read.
+
+    Raises:
+      ValueError: ``max_seconds`` is not a finite number > 0; or, on resuming, the
+        checkpoint is missing, does not fit, or was written with other ``run_meta``
+        settings (naming each one that differs with both values).
+      FloatingPointError: the loss became NaN or infinite.
     """
+    check_max_seconds(max_seconds)
     start = 0
     if resume:
         (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
-        if any(meta.get(key) != value for key, value in run_meta.items()):
-            raise ValueError(f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume")
+        differ = settings_differences({key: meta.get(key) for key in run_meta}, run_meta)
+        if differ:
+            raise ValueError(
+                f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume: "
+                + "; ".join(differ)
+            )
         start = meta["step"]
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
@@ -545,7 +628,14 @@ def evaluate_draft(
 
 
 def distillation_data(
-    target, tokens: np.ndarray, *, count: int, seq_len: int, prompt_len: int = 32, seed: int = 0, batch: int = 2048
+    target,
+    tokens: np.ndarray,
+    *,
+    count: int,
+    seq_len: int,
+    prompt_len: int = DISTILL_PROMPT_LEN,
+    seed: int = 0,
+    batch: int = 2048,
 ) -> np.ndarray:
     """Sequences the target writes itself from prompts of the training text (DeepSpec trains on
     target-generated responses): half greedy, half sampled at temperature 1.
@@ -629,17 +719,28 @@ def train_draft(
         still spans ``tcfg.steps``.
       max_seconds: also stop (and checkpoint) once the loop has run this long.
       distilled: ``[M, S]`` sequences the target generated itself (see
-        :func:`distillation_data`); when given, half of every batch is drawn from them
-        and half from ``tokens``.
+        :func:`distillation_data`); when given, ``batch_size // 2`` rows of every batch
+        are drawn from them and the rest from ``tokens``.
 
     Returns:
       A :class:`TrainResult` with the draft and the metric history of the steps run.
+
+    Raises:
+      ValueError: the draft does not fit the target; a bad token stream or ``distilled``
+        array; ``distilled`` with ``tcfg.batch_size < 2`` (no batch row would come from
+        it); ``resume`` without ``checkpoint_dir``; ``stop_at`` or ``max_seconds`` out of
+        range; a checkpoint that cannot be resumed.
     """
     check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
     tokens = check_token_stream(tokens, tcfg.seq_len, draft_cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
     if distilled is not None:
+        if tcfg.batch_size < 2:
+            raise ValueError(
+                f"batch_size={tcfg.batch_size} is invalid with distilled data: must be >= 2, since "
+                "batch_size // 2 rows of every batch come from the distilled sequences"
+            )
         distilled = np.asarray(distilled)
         if distilled.ndim != 2 or distilled.shape[1] != tcfg.seq_len or distilled.shape[0] < 1:
             raise ValueError(f"distilled has shape {distilled.shape}: expected [M >= 1, seq_len={tcfg.seq_len}]")
@@ -649,6 +750,7 @@ def train_draft(
     end = tcfg.steps if stop_at is None else stop_at
     if not 0 < end <= tcfg.steps:
         raise ValueError(f"stop_at={stop_at!r} is invalid: must lie in 1..steps={tcfg.steps}")
+    check_max_seconds(max_seconds)
 
     draft = _new_draft(draft_cfg, target, tcfg.seed)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
@@ -727,18 +829,25 @@ def default_draft_config(
     )
 
 
+# Draft-shape flags, their defaults, and the DraftConfig fields they set; ``--draft-config``
+# replaces them all, so they default to None to tell a flag given explicitly from its default.
+DRAFT_SHAPE_FLAGS = {"gamma": 7, "markov_rank": 64, "layers": 2}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
-    parser.add_argument("--out", required=True, help="output folder for the draft checkpoint")
+    parser.add_argument("--out", required=True, help="output folder for the draft checkpoint (new, or --resume)")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (>= 2 with --distill)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    parser.add_argument("--gamma", type=int, default=7, help="draft tokens per block")
-    parser.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash-style draft, no Markov head")
-    parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    parser.add_argument("--gamma", type=int, help="draft tokens per block (default 7)")
+    parser.add_argument("--markov-rank", type=int, help="0 = DFlash-style draft, no Markov head (default 64)")
+    parser.add_argument("--layers", type=int, help="draft decoder layers (default 2)")
     parser.add_argument("--no-confidence", action="store_true", help="train without a confidence head")
-    parser.add_argument("--draft-config", help="a draft config.json to use instead of the flags above")
+    parser.add_argument(
+        "--draft-config", help="a draft config.json to use instead of --gamma, --markov-rank, --layers, --no-confidence"
+    )
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
@@ -749,30 +858,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also train on this many sequences the target generates (half of each batch); 0 = text only",
     )
-    parser.add_argument("--max-seconds", type=float, help="stop early after this much training time")
+    parser.add_argument(
+        "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def check_draft_arguments(args: argparse.Namespace) -> None:
+    """The checks of ``train-draft``'s options that need no file read beyond ``--out``'s listing.
+
+    Raises:
+      ValueError: ``--out`` is ``--target``'s folder, an existing file, a folder holding a
+        model without ``--resume``, or lacks a checkpoint with ``--resume``; ``--distill``
+        is negative, comes with ``--batch`` below 2 or a ``--seq-len`` with no room after
+        the prompt; or a draft-shape flag is given together with ``--draft-config``.
+    """
+    if os.path.realpath(args.out) == os.path.realpath(args.target):
+        raise ValueError(
+            f"--out {args.out!r} is the --target folder {args.target!r}: the draft would overwrite the target; "
+            "give another folder"
+        )
+    check_output_folder(args.out, resume=args.resume)
+    if args.distill < 0:
+        raise ValueError(f"--distill {args.distill} is invalid: must be an integer >= 0 (0 = text only)")
+    if args.distill:
+        if args.batch < 2:
+            raise ValueError(
+                f"--batch {args.batch} is invalid with --distill {args.distill}: must be >= 2, since half of "
+                "every batch (batch // 2 sequences) comes from the distilled data"
+            )
+        if args.seq_len <= DISTILL_PROMPT_LEN:
+            raise ValueError(
+                f"--seq-len {args.seq_len} is too short for --distill {args.distill}: each distilled sequence "
+                f"opens with a {DISTILL_PROMPT_LEN}-token prompt, so --seq-len must be > {DISTILL_PROMPT_LEN}"
+            )
+    if args.draft_config:
+        given = [
+            f"--{name.replace('_', '-')} {getattr(args, name)}"
+            for name in DRAFT_SHAPE_FLAGS
+            if getattr(args, name) is not None
+        ]
+        if args.no_confidence:
+            given.append("--no-confidence")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} conflict with --draft-config {args.draft_config!r}: the config file sets the "
+                "draft's shape; drop the flags or edit the config"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
+    """``dspark-jax train-draft``: distillation data, training, checkpoint and ``training.json``.
+
+    Raises:
+      ValueError: the options are invalid (see :func:`check_draft_arguments`), the
+        ``--draft-config``'s ``mask_token_id`` is not the tokenizer's mask id, or the draft
+        or training settings are invalid; all raised before the corpus is read and before
+        anything is written.
+    """
     from dspark_jax.checkpoint import save_draft
     from dspark_jax.corpus import encode_documents, load_corpus
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer
 
-    target = load_target(args.target, dtype="float32")
-    tokenizer = load_tokenizer(args.target)
-    if args.draft_config:
-        draft_cfg = DraftConfig.from_pretrained(args.draft_config)
-    else:
-        draft_cfg = default_draft_config(
-            target.config,
-            mask_token_id=tokenizer.mask_id,
-            gamma=args.gamma,
-            markov_rank=args.markov_rank,
-            num_layers=args.layers,
-            confidence_head=not args.no_confidence,
-        )
+    check_draft_arguments(args)
     tcfg = DraftTrainConfig(
         steps=args.steps,
         batch_size=args.batch,
@@ -782,6 +932,27 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
     )
+    tokenizer = load_tokenizer(args.target)
+    draft_cfg = DraftConfig.from_pretrained(args.draft_config) if args.draft_config else None
+    if draft_cfg is not None and draft_cfg.mask_token_id != tokenizer.mask_id:
+        raise ValueError(
+            f"--draft-config {args.draft_config!r} has mask_token_id={draft_cfg.mask_token_id}: must equal the "
+            f"--target tokenizer's mask id {tokenizer.mask_id}"
+        )
+    target = load_target(args.target, dtype="float32")
+    if draft_cfg is None:
+        shape = {
+            name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in DRAFT_SHAPE_FLAGS.items()
+        }
+        draft_cfg = default_draft_config(
+            target.config,
+            mask_token_id=tokenizer.mask_id,
+            gamma=shape["gamma"],
+            markov_rank=shape["markov_rank"],
+            num_layers=shape["layers"],
+            confidence_head=not args.no_confidence,
+        )
     check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
     corpus = load_corpus()
     print(f"encoding {len(corpus.train_files)} training files …", file=sys.stderr)

@@ -3,7 +3,7 @@
 # DFlash-style draft (trained the same way, in parallel on one GPU, each on the corpus plus
 # 8192 sequences the target generated itself), then the held-out eval.
 #
-#   PYTHONPATH=. bash dspark_jax/assets/build_assets.sh OUT_DIR
+#   PYTHONPATH=. bash dspark_jax/assets/build_assets.sh OUT_DIR   # a new folder: the trainers refuse to overwrite a model
 #
 # Step counts and batch sizes can be overridden through the environment (the defaults are
 # the ones used for the shipped weights). Everything is built from the running Python's
