@@ -25,10 +25,11 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors
 import safetensors.numpy
 from flax import nnx, struct
 
-from dspark_jax.config import DTYPES, DraftConfig, TargetConfig
+from dspark_jax.config import DTYPES, DraftConfig, TargetConfig, is_integer, read_json_file
 from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
 
@@ -115,6 +116,14 @@ class Qwen3Target(nnx.Module):
         return self.embed.get_value() if self.head is None else self.head.get_value()
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An all-zero cache of ``capacity`` positions for ``batch`` rows.
+
+        Raises:
+          ValueError: ``batch`` or ``capacity`` is not an integer >= 1.
+        """
+        for name, value in (("batch", batch), ("capacity", capacity)):
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
         cfg = self.config
         shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
         return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype))
@@ -130,20 +139,34 @@ class Qwen3Target(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Causal forward of new tokens against the cache.
 
+        Shapes and dtypes are checked while tracing. Values are checked only when the
+        arrays are concrete (an eager call), and only where ``valid`` is True; under
+        ``jax.jit`` nothing raises: an id outside ``[-V, V)`` embeds as NaN and makes
+        its row's logits NaN (ids in ``[-V, 0)`` wrap, NumPy-style), a position
+        ``>= C`` is not cached and its query sees the whole cache but not itself, and a
+        negative position wraps its write and sees nothing.
+
         Args:
-          tokens: ``[B, S]`` token ids.
-          positions: ``[B, S]`` their absolute positions.
-          cache: the KV cache.
-          valid: ``[B, S]``; False rows (padding) are neither cached nor seen.
-          feature_layers: target layer ids to tap (``-1`` = embedding output).
+          tokens: ``[B, S]`` integer token ids in ``[0, V)`` (arrays, NumPy or lists).
+          positions: ``[B, S]`` integer absolute positions in ``[0, C)``.
+          cache: the KV cache, ``[L, B, C, KVH, D]`` as :meth:`init_cache` makes it.
+          valid: ``[B, S]`` bool; False rows (padding) are neither cached nor seen.
+          feature_layers: tuple of target layer ids to tap, ``-1 <= id < L``
+            (``-1`` = embedding output).
 
         Returns:
           ``(logits [B, S, V] float32, features [B, S, K·H], new cache)``.
+
+        Raises:
+          TypeError: ``tokens``, ``positions`` or ``valid`` has the wrong dtype, or
+            ``feature_layers`` is not a tuple (or list) of integers.
+          ValueError: a shape does not fit (cache layout or batch included), a layer
+            id is outside the target's depth, or (concrete arrays) a token id or
+            position is out of range.
         """
         cfg = self.config
+        tokens, positions, valid = self._check_inputs(tokens, positions, cache, valid, feature_layers)
         b, s = tokens.shape
-        if valid is None:
-            valid = jnp.ones((b, s), bool)
         positions = positions.astype(jnp.int32)
         write_idx = jnp.where(valid, positions, cache.capacity)  # [B, S]; invalid -> dropped
         rows = jnp.arange(b)[:, None]
@@ -163,9 +186,6 @@ class Qwen3Target(nnx.Module):
 
             x = layer(x, positions, kv_fn)
             taps[i] = x
-        for i in feature_layers:
-            if i not in taps:
-                raise ValueError(f"feature layer {i} is outside the target's depth: -1 <= id < {cfg.num_hidden_layers}")
         features = (
             jnp.concatenate([taps[i] for i in feature_layers], axis=-1)
             if feature_layers
@@ -174,6 +194,56 @@ class Qwen3Target(nnx.Module):
         h = self.norm(x)
         logits = jnp.einsum("bsh,vh->bsv", h, self.lm_head.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)
         return logits, features, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+
+    def _check_inputs(self, tokens, positions, cache, valid, feature_layers):
+        """Static checks of :meth:`__call__`'s inputs, plus value checks when concrete.
+
+        Returns:
+          ``(tokens, positions, valid)`` as arrays, ``valid`` all True when omitted.
+        """
+        cfg = self.config
+        tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens has shape {tokens.shape}: expected [batch, new tokens]")
+        for name, x in (("tokens", tokens), ("positions", positions)):
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} has dtype {x.dtype}: expected an integer dtype")
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions has shape {positions.shape}: expected tokens' shape {tokens.shape}")
+        b = tokens.shape[0]
+        want = (cfg.num_hidden_layers, b, cache.capacity, cfg.num_key_value_heads, cfg.head_dim)
+        if cache.k.shape != want or cache.v.shape != want or cache.capacity < 1:
+            raise ValueError(
+                f"cache has k {cache.k.shape}, v {cache.v.shape}: expected [L, B, C, KVH, D] = {want} with "
+                f"capacity C >= 1 for tokens of batch B={b} (use init_cache({b}, capacity))"
+            )
+        if valid is None:
+            valid = jnp.ones(tokens.shape, bool)
+        valid = jnp.asarray(valid)
+        if valid.shape != tokens.shape:
+            raise ValueError(f"valid has shape {valid.shape}: expected tokens' shape {tokens.shape}")
+        if valid.dtype != jnp.bool_:
+            raise TypeError(f"valid has dtype {valid.dtype}: expected bool")
+        if not isinstance(feature_layers, tuple | list) or not all(is_integer(i) for i in feature_layers):
+            raise TypeError(f"feature_layers={feature_layers!r} is invalid: expected a tuple of integer layer ids")
+        bad = [i for i in feature_layers if not -1 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"feature_layers={tuple(feature_layers)!r}: ids {bad} are outside the target's depth: "
+                f"-1 <= id < {cfg.num_hidden_layers}"
+            )
+        if not any(isinstance(x, jax.core.Tracer) for x in (tokens, positions, valid)):
+            live = np.asarray(valid)
+            ids, pos = np.asarray(tokens)[live], np.asarray(positions)[live]
+            if ids.size and not (ids.min() >= 0 and ids.max() < cfg.vocab_size):
+                raise ValueError(
+                    f"tokens hold ids {ids.min()}..{ids.max()}: expected 0 <= id < vocab_size={cfg.vocab_size}"
+                )
+            if pos.size and not (pos.min() >= 0 and pos.max() < cache.capacity):
+                raise ValueError(
+                    f"positions hold {pos.min()}..{pos.max()}: expected 0 <= position < cache capacity={cache.capacity}"
+                )
+        return tokens, positions, valid
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -203,6 +273,10 @@ def _hf_variables(target: Qwen3Target) -> dict[str, tuple[nnx.Variable, bool]]:
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a single-file or sharded safetensors checkpoint folder."""
+    index_path = os.path.join(path, INDEX_NAME)
+    # read_index parses with json.load, whose errors do not name the file.
+    if os.path.isfile(index_path) and not isinstance(read_json_file(index_path), dict):
+        raise ValueError(f"{index_path!r} is not a JSON object: expected {{'weight_map': {{tensor: shard file}}}}")
     shards = read_index(path)
     if shards is None:
         if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
@@ -210,7 +284,11 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
         shards = {os.path.join(path, WEIGHTS_NAME): None}
     tensors: dict[str, np.ndarray] = {}
     for shard, listed in shards.items():
-        for key, value in safetensors.numpy.load_file(shard).items():
+        try:
+            loaded = safetensors.numpy.load_file(shard)
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"{shard!r} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+        for key, value in loaded.items():
             if key in tensors:
                 raise ValueError(f"tensor {key!r} appears in more than one shard of {path!r}")
             if listed is not None and key not in listed:
@@ -235,13 +313,31 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
       The target with the checkpoint's weights.
 
     Raises:
-      ValueError: a tensor is missing, has the wrong shape, or is not part of the model.
+      ValueError: ``config.json`` or the index is not a JSON object, the config asks for
+        something the reference target does not implement (``model_type`` other than
+        ``"qwen3"``, ``hidden_act`` other than ``"silu"``, ``use_sliding_window``,
+        ``rope_scaling``), a safetensors file is unreadable, or a tensor is missing, has
+        the wrong shape, is not floating point, is not finite after the cast to
+        ``dtype``, or is not part of the model.
     """
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
         raise ValueError(f"target path {path!r} has no config.json: expected a Hugging Face checkpoint folder")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_json_file(config_path)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path!r} holds a JSON {type(hf).__name__}: expected an object of config fields")
+    unsupported = {
+        "model_type": (hf.get("model_type", "qwen3") != "qwen3", '"qwen3" (or absent)'),
+        "hidden_act": (hf.get("hidden_act", "silu") != "silu", '"silu" (or absent)'),
+        "use_sliding_window": (hf.get("use_sliding_window") not in (None, False), "false: attention is global"),
+    }
+    for field, (bad, allowed) in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"{config_path!r}: {field}={hf[field]!r} is not supported by the reference Qwen3 target: "
+                f"must be {allowed}"
+            )
     if dtype is None:
         stored = hf.get("torch_dtype", hf.get("dtype"))
         dtype = stored if stored in DTYPES else "float32"
@@ -276,7 +372,14 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
         if value.shape != want:
             stored = tuple(reversed(want)) if transposed else want
             raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}: expected {stored}")
-        variable.set_value(jnp.asarray(np.asarray(value), cfg.jnp_param_dtype))
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(f"tensor {name!r} has dtype {value.dtype}: expected a floating-point dtype")
+        with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
+            cast = jnp.asarray(np.asarray(value), cfg.jnp_param_dtype)
+        if not bool(jnp.isfinite(cast).all()):
+            why = "NaN or inf" if not np.isfinite(value).all() else f"values overflow {dtype}"
+            raise ValueError(f"tensor {name!r} of {path!r} is not finite after the cast to {dtype}: {why}")
+        variable.set_value(cast)
     unset = [leaf for leaf in jax.tree.leaves(nnx.state(target)) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unset:
         raise ValueError(f"Qwen3Target has {len(unset)} parameters without a Hugging Face tensor name")
@@ -291,8 +394,15 @@ def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes
       path: output folder (created if needed).
       max_shard_bytes: split the weights into shards of at most about this size, with a
         ``model.safetensors.index.json``; one ``model.safetensors`` when omitted.
+
+    Raises:
+      ValueError: ``path`` exists and is not a folder, or ``max_shard_bytes`` is invalid.
     """
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"target path {path!r} exists and is not a folder: expected a folder to write the checkpoint in"
+        )
     tensors = {}
     for name, (variable, transposed) in _hf_variables(target).items():
         value = np.asarray(variable.get_value())
@@ -307,7 +417,15 @@ def check_pair(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> None:
 
     The draft borrows the target's embedding and lm_head (same hidden size, same
     vocabulary) and reads the target layers in ``target_layer_ids``.
+
+    Raises:
+      TypeError: ``draft_cfg`` is not a :class:`DraftConfig` or ``target_cfg`` not a
+        :class:`TargetConfig`.
+      ValueError: the draft does not fit the target, naming the field.
     """
+    for name, value, cls in (("draft_cfg", draft_cfg, DraftConfig), ("target_cfg", target_cfg, TargetConfig)):
+        if not isinstance(value, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     if draft_cfg.hidden_size != target_cfg.hidden_size:
         raise ValueError(
             f"draft hidden_size={draft_cfg.hidden_size} does not fit the target: must equal the target's "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -310,3 +311,155 @@ def test_draft_shares_the_targets_embedding_and_lm_head(tied):
     t_leaves = {id(x) for x in jax.tree.leaves(t_state)}
     assert id(d_state["embed_tokens"].get_value()) in t_leaves
     assert id(d_state["lm_head"].get_value()) in t_leaves
+
+
+# ---------------------------------------------------------------- input validation
+def _eager_inputs(b=1, s=4, capacity=8):
+    return jnp.zeros((b, s), jnp.int32), jnp.broadcast_to(jnp.arange(s), (b, s)), capacity
+
+
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        (lambda t, p, c, v: (t[0], p[0], c, v), ValueError, r"tokens has shape \(4,\)"),
+        (lambda t, p, c, v: (t.astype(float), p, c, v), TypeError, "tokens has dtype float32"),
+        (lambda t, p, c, v: (t, p[:, :1], c, v), ValueError, r"positions has shape \(1, 1\)"),
+        (lambda t, p, c, v: (t, p + 0.5, c, v), TypeError, "positions has dtype float32"),
+        (lambda t, p, c, v: (t, p, c, v[:, :1]), ValueError, r"valid has shape \(1, 1\)"),
+        (lambda t, p, c, v: (t, p, c, v.astype(jnp.int32)), TypeError, "valid has dtype int32"),
+    ],
+    ids=["1d-tokens", "float-tokens", "broadcast-positions", "float-positions", "valid-shape", "int-valid"],
+)
+def test_forward_refuses_misshapen_or_mistyped_inputs_while_tracing(edit, error, message):
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    tokens, positions, capacity = _eager_inputs()
+    args = edit(tokens, positions, target.init_cache(1, capacity), jnp.ones(tokens.shape, bool))
+    graphdef, state = nnx.split(target)
+    with pytest.raises(error, match=message):
+        _jit_forward(graphdef, state, *args)
+
+
+def test_forward_refuses_a_cache_of_another_batch():
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    tokens, positions, _ = _eager_inputs(b=3)
+    with pytest.raises(ValueError, match=r"cache has k \(2, 1, 8, 2, 8\).*batch B=3"):
+        _forward(target, tokens, positions, target.init_cache(1, 8))
+
+
+@pytest.mark.parametrize(
+    "layers, error, message",
+    [((True,), TypeError, "feature_layers=\\(True,\\)"), ((0, L), ValueError, "ids \\[2\\]"), (1, TypeError, "=1")],
+    ids=["bool", "too-deep", "not-a-tuple"],
+)
+def test_forward_refuses_bad_feature_layers(layers, error, message):
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    tokens, positions, capacity = _eager_inputs()
+    with pytest.raises(error, match=message):
+        target(tokens, positions, target.init_cache(1, capacity), feature_layers=layers)
+
+
+def test_forward_accepts_python_lists_and_numpy_arrays():
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    ref, _, _ = _forward(target, [[1, 2, 3]], [[0, 1, 2]], target.init_cache(1, 4))
+    from_lists, _, _ = target([[1, 2, 3]], np.asarray([[0, 1, 2]]), target.init_cache(1, 4))
+    np.testing.assert_allclose(from_lists, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "tokens, positions, message",
+    [
+        ([[1, V]], [[0, 1]], f"tokens hold ids 1..{V}: expected 0 <= id < vocab_size={V}"),
+        ([[-1, 2]], [[0, 1]], "tokens hold ids -1..2"),
+        ([[1, 2]], [[7, 8]], "positions hold 7..8: expected 0 <= position < cache capacity=8"),
+        ([[1, 2]], [[-1, 0]], "positions hold -1..0"),
+    ],
+    ids=["id-V", "id-negative", "past-capacity", "negative-position"],
+)
+def test_eager_forward_refuses_out_of_range_values(tokens, positions, message):
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=message):
+        target(jnp.asarray(tokens), jnp.asarray(positions), target.init_cache(1, 8))
+    # Padding entries are not checked.
+    target(jnp.asarray(tokens), jnp.asarray(positions), target.init_cache(1, 8), valid=jnp.zeros((1, 2), bool))
+
+
+@pytest.mark.parametrize(
+    "batch, capacity, message", [(0, 8, "batch=0"), (1, 0, "capacity=0"), (1, -1, "capacity=-1"), (1.5, 8, "batch=1.5")]
+)
+def test_init_cache_refuses_empty_or_non_integer_sizes(batch, capacity, message):
+    target = Qwen3Target(_cfg(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=f"{message} is invalid: must be an integer >= 1"):
+        target.init_cache(batch, capacity)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("model_type", "llama"), ("hidden_act", "gelu"), ("use_sliding_window", True)]
+)
+def test_load_target_refuses_config_fields_it_does_not_implement(tmp_path, field, value):
+    cfg = _cfg()
+    _write_hf(tmp_path, cfg, _hf_tensors(cfg, seed=0))
+    hf = cfg.to_hf_config()
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf | {field: value}, f)
+    with pytest.raises(ValueError, match=f"{field}={value!r} is not supported.*must be"):
+        load_target(tmp_path)
+    with open(tmp_path / "config.json", "w") as f:  # absent is fine
+        json.dump({k: v for k, v in hf.items() if k != field}, f)
+    load_target(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "value, dtype, message",
+    [
+        (np.ones(H, np.int32), None, "has dtype int32: expected a floating-point dtype"),
+        (np.ones(H, bool), None, "has dtype bool"),
+        (np.full(H, np.nan, np.float32), None, "not finite after the cast to float32: NaN or inf"),
+        (np.full(H, 1e30, np.float32), "float16", "not finite after the cast to float16: values overflow"),
+    ],
+    ids=["int", "bool", "nan", "overflow"],
+)
+def test_load_target_refuses_non_float_or_non_finite_weights(tmp_path, value, dtype, message):
+    cfg = _cfg()
+    _write_hf(tmp_path, cfg, _hf_tensors(cfg, seed=0) | {"model.norm.weight": value})
+    with pytest.raises(ValueError, match=f"'model.norm.weight'.*{message}"):
+        load_target(tmp_path, dtype=dtype)
+
+
+def test_load_target_names_the_unreadable_file(tmp_path):
+    cfg = _cfg()
+    _write_hf(tmp_path, cfg, _hf_tensors(cfg, seed=0))
+    config = str(tmp_path / "config.json")
+    for text, message in (("{oops", "is not valid JSON"), ("[1, 2]", "holds a JSON list")):
+        with open(config, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=f"{re.escape(config)}.*{message}"):
+            load_target(tmp_path)
+    with open(config, "w") as f:
+        json.dump(cfg.to_hf_config(), f)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("{oops")
+    with pytest.raises(ValueError, match=f"{re.escape(str(index))}.*is not valid JSON"):
+        load_target(tmp_path)
+    index.unlink()
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))}.*not a readable safetensors file"):
+        load_target(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "draft, target, message",
+    [("target", "draft", "draft_cfg must be a DraftConfig, got TargetConfig"), ("draft", None, "target_cfg.*NoneType")],
+    ids=["swapped", "none"],
+)
+def test_check_pair_refuses_configs_of_the_wrong_type(draft, target, message):
+    cfgs = {"draft": _draft_cfg(), "target": _cfg(), None: None}
+    with pytest.raises(TypeError, match=message):
+        check_pair(cfgs[draft], cfgs[target])
+
+
+def test_save_target_refuses_a_path_that_is_a_file(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}' exists and is not a folder"):
+        save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(0)), path)
