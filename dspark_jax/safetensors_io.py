@@ -16,6 +16,8 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
+from dspark_jax.config import read_json_file
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -31,13 +33,16 @@ def read_index(folder: str) -> dict[str, list[str]] | None:
       no ``model.safetensors.index.json``.
 
     Raises:
-      ValueError: the index has no ``weight_map``, or lists a shard that does not exist.
+      ValueError: the index is not valid JSON or not an object, has no ``weight_map``, or lists
+        a shard that does not exist (naming the index's path).
     """
     index_path = os.path.join(folder, INDEX_NAME)
     if not os.path.isfile(index_path):
         return None
-    with open(index_path) as f:
-        weight_map = json.load(f).get("weight_map")
+    index = read_json_file(index_path)
+    if not isinstance(index, dict):
+        raise ValueError(f"{index_path!r} is not a JSON object: expected {{'weight_map': {{tensor: shard file}}}}")
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index_path} has no 'weight_map' dict naming the tensors and their shard files")
     shards: dict[str, list[str]] = {}

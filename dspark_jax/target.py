@@ -273,10 +273,6 @@ def _hf_variables(target: Qwen3Target) -> dict[str, tuple[nnx.Variable, bool]]:
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a single-file or sharded safetensors checkpoint folder."""
-    index_path = os.path.join(path, INDEX_NAME)
-    # read_index parses with json.load, whose errors do not name the file.
-    if os.path.isfile(index_path) and not isinstance(read_json_file(index_path), dict):
-        raise ValueError(f"{index_path!r} is not a JSON object: expected {{'weight_map': {{tensor: shard file}}}}")
     shards = read_index(path)
     if shards is None:
         if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):

@@ -510,6 +510,17 @@ def test_a_shard_holding_a_tensor_its_index_does_not_map_is_refused(tmp_path):
         load_draft(tmp_path)
 
 
+def test_a_malformed_shard_index_is_named_with_its_path(tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf), shards=2)
+    index = tmp_path / "model.safetensors.index.json"
+    for text, says in (("{", "is not valid JSON"), ("[]", "is not a JSON object")):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=says) as err:
+            load_draft(tmp_path)
+        assert str(index) in str(err.value)
+
+
 def test_borrowed_tables_that_are_not_arrays_are_type_errors(tmp_path):
     hf = deepspec_config()
     write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
