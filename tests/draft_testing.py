@@ -12,8 +12,21 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import sampling as S
-from dspark_jax.config import DraftConfig
+from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
+
+TRAINING_TARGET = TargetConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=32,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+"""The tiny target the training tests train (or stand in for), vocabulary 32."""
 
 TINY = dict(
     hidden_size=32,

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import TRAINING_TARGET
 from flax import nnx
 
-from dspark_jax.config import TargetConfig
 from dspark_jax.corpus import is_held_out, list_stdlib_files, load_corpus
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.target_training import TargetTrainConfig, train_target
@@ -27,7 +27,7 @@ from dspark_jax.train import (
     train_draft,
 )
 
-VOCAB = 32
+VOCAB = TRAINING_TARGET.vocab_size
 MASK = VOCAB - 1
 
 
@@ -45,17 +45,7 @@ def _stream(n: int, seed: int = 0) -> np.ndarray:
 
 
 TOKENS = _stream(6000)
-TARGET_CFG = TargetConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+TARGET_CFG = TRAINING_TARGET
 DRAFT_CFG = default_draft_config(TARGET_CFG, mask_token_id=MASK, gamma=4, markov_rank=8, num_layers=1)
 
 

@@ -12,23 +12,13 @@ import types
 
 import jax.numpy as jnp
 import pytest
+from draft_testing import TRAINING_TARGET
 
 from dspark_jax import target_training, train
-from dspark_jax.config import TargetConfig
 from dspark_jax.tokenizer import train_bpe
 from dspark_jax.train import DraftTrainConfig, default_draft_config, fit, train_draft
 
-TARGET_CFG = TargetConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=32,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+TARGET_CFG = TRAINING_TARGET
 
 
 class Reached(Exception):
