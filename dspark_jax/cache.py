@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dspark_jax.config import DraftConfig, is_integer
-from dspark_jax.sampling import dtype_of
+from dspark_jax.config import DraftConfig, positive_int
+from dspark_jax.sampling import check_dtypes
 
 if TYPE_CHECKING:
     from dspark_jax.draft import DSparkDraft
@@ -48,17 +48,6 @@ class ContextCache:
     @property
     def batch(self) -> int:
         return self.k.shape[1]
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` as an ``int``: a Python or NumPy integer (not a bool) ``>= 1``.
-
-    Raises:
-      ValueError: ``value`` is anything else (the message names ``name``).
-    """
-    if not is_integer(value) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
-    return int(value)
 
 
 def resolve_cache_dtype(cfg: DraftConfig, dtype: Any = None, *, name: str = "dtype") -> jnp.dtype:
@@ -190,13 +179,9 @@ def _check_rows(cache: ContextCache, rows: dict[str, Any], masks: dict[str, Any]
     for name, value in (*rows.items(), *masks.items()):
         if tuple(np.shape(value)) != (cache.batch,):
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = ({cache.batch},)")
-    for name, value in rows.items():
-        # a float or bool position or count would be truncated silently by the write
-        if not jnp.issubdtype(dtype_of(value), jnp.integer):
-            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype (int32, int64, uint32, …)")
-    for name, value in masks.items():
-        if dtype_of(value) != np.bool_:
-            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected bool")
+    # a float or bool position or count would be truncated silently by the write
+    check_dtypes({name: (value, jnp.integer) for name, value in rows.items()})
+    check_dtypes({name: (value, jnp.bool_) for name, value in masks.items()})
 
 
 def _check_kv(cache: ContextCache, k: Any, v: Any) -> None:

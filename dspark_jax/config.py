@@ -48,6 +48,22 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (Python or NumPy, any ``numbers.Real``), bools excluded."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer (not a bool) ``>= 1``.
+
+    Raises:
+      ValueError: ``value`` is anything else (the message names ``name``).
+    """
+    if not is_integer(value) or value < 1:
+        _fail(name, value, "must be an integer >= 1")
+    return int(value)
+
+
 def normalise_numbers(cfg: Any) -> None:
     """Turns NumPy scalars in a config's ``int`` and ``float`` fields into Python numbers.
 
@@ -63,13 +79,8 @@ def normalise_numbers(cfg: Any) -> None:
             continue
         if f.type in ("int", "int | None") and is_integer(value):
             object.__setattr__(cfg, f.name, int(value))
-        elif f.type == "float" and isinstance(value, numbers.Real):
+        elif f.type == "float" and is_real(value):
             object.__setattr__(cfg, f.name, float(value))
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not is_integer(value) or value < 1:
-        _fail(name, value, "must be an integer >= 1")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -99,7 +110,7 @@ def _check_common(cfg: Any) -> None:
         "vocab_size",
         "max_position_embeddings",
     ):
-        _check_positive_int(name, getattr(cfg, name))
+        positive_int(name, getattr(cfg, name))
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         _fail(
             "num_key_value_heads",
@@ -286,7 +297,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         normalise_numbers(self)
         _check_common(self)
-        _check_positive_int("block_size", self.block_size)
+        positive_int("block_size", self.block_size)
         if not is_integer(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
             _fail(
                 "mask_token_id",
@@ -305,7 +316,7 @@ class DraftConfig:
         if ids[0] < -1:
             _fail("target_layer_ids", ids, "must be >= -1 (-1 is the embedding output)")
         if self.num_target_layers is not None:
-            _check_positive_int("num_target_layers", self.num_target_layers)
+            positive_int("num_target_layers", self.num_target_layers)
             if ids[-1] >= self.num_target_layers:
                 _fail(
                     "target_layer_ids",

@@ -23,6 +23,7 @@ import numpy as np
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.cli import SEED_MAX, number_flag
+from dspark_jax.config import positive_int
 
 
 def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -39,9 +40,7 @@ def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> lis
     """
     from dspark_jax.corpus import encode_documents, load_corpus
 
-    for name, value in (("count", count), ("length", length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    positive_int("count", count), positive_int("length", length)
     stream = encode_documents(tokenizer, load_corpus().texts("heldout"))
     if stream.size < length + 1:
         raise ValueError(f"the held-out corpus has {stream.size} tokens, fewer than length={length}")

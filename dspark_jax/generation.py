@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -40,7 +39,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
-from dspark_jax.config import is_integer
+from dspark_jax.config import is_integer, is_real
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
@@ -113,11 +112,6 @@ def _scalar(value: Any) -> Any:
     if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
         return np.asarray(value).item()
     return value
-
-
-def _is_real(value: Any) -> bool:
-    """A real number, bools excluded (the counterpart of :func:`~dspark_jax.config.is_integer`)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _invalid(field: str, value: Any, allowed: str, *, right_kind: bool) -> Exception:
@@ -216,9 +210,9 @@ def _requests(
             raise _invalid(f"max_new_tokens[{b}]", m, allowed, right_kind=is_integer(m))
     temps = _per_request("temperature", temperature, batch)
     for b, t in enumerate(temps):
-        if not _is_real(t) or not 0 <= t <= _FLOAT32_MAX:  # also refuses NaN
+        if not is_real(t) or not 0 <= t <= _FLOAT32_MAX:  # also refuses NaN
             allowed = "must be a number >= 0 (0 = greedy), finite in float32"
-            raise _invalid(f"temperature[{b}]", t, allowed, right_kind=_is_real(t))
+            raise _invalid(f"temperature[{b}]", t, allowed, right_kind=is_real(t))
     ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]
     for b, k in enumerate(ks):
         if not is_integer(k) or not 1 <= k <= TOP_K_MAX:
@@ -226,8 +220,8 @@ def _requests(
             raise _invalid(f"top_k[{b}]", k, allowed, right_kind=is_integer(k))
     ps = [1.0 if p is None else p for p in _per_request("top_p", top_p, batch)]
     for b, p in enumerate(ps):
-        if not _is_real(p) or not 0 < p <= 1:
-            raise _invalid(f"top_p[{b}]", p, "must be a number in (0, 1]", right_kind=_is_real(p))
+        if not is_real(p) or not 0 < p <= 1:
+            raise _invalid(f"top_p[{b}]", p, "must be a number in (0, 1]", right_kind=is_real(p))
     stops = _stop_lists(stop_tokens, batch, vocab_size)
     stop = np.full((batch, max(1, max(len(s) for s in stops))), -1, np.int32)
     for b, s in enumerate(stops):

@@ -38,6 +38,7 @@ from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kerne
 from dspark_jax.sampling import (
     TOP_K_ALL,
     TOP_K_MAX,
+    check_dtypes,
     clamp_temperatures,
     dtype_of,
     greedy_rows,
@@ -136,18 +137,14 @@ def check_shapes(
         want = (batch, cfg.num_query_rows, cfg.hidden_size)
         if tuple(np.shape(input_embeds)) != want:
             raise ValueError(f"input_embeds has shape {tuple(np.shape(input_embeds))}: expected [B, R, H] = {want}")
-    for name, value in (("bonus", bonus), ("prefix_lens", prefix_lens), ("top_k", top_k), ("slots", slots)):
-        # a float token id or length would be truncated silently inside the round
-        if value is not None and not jnp.issubdtype(dtype_of(value), jnp.integer):
-            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected an integer dtype")
+    # a float token id or length would be truncated silently inside the round
+    ints = {"bonus": bonus, "prefix_lens": prefix_lens, "top_k": top_k, "slots": slots}
+    check_dtypes({name: (value, jnp.integer) for name, value in ints.items()})
     temps_dtype = dtype_of(temperatures)
     if not (jnp.issubdtype(temps_dtype, jnp.floating) or jnp.issubdtype(temps_dtype, jnp.integer)):
         raise TypeError(f"temperatures has dtype {temps_dtype}: expected a float dtype")
-    for name in ("k", "v"):
-        # the draft attends over them: integer keys and values draft meaningless tokens
-        dtype = dtype_of(getattr(cache, name))
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"cache.{name} has dtype {dtype}: expected a floating dtype (float32, bfloat16, …)")
+    # the draft attends over them: integer keys and values draft meaningless tokens
+    check_dtypes({"cache.k": (cache.k, jnp.floating), "cache.v": (cache.v, jnp.floating)})
     key_rows(key, batch)
     return batch
 

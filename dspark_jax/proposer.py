@@ -61,7 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cache import ContextCache, positive_int, resolve_cache_dtype
+from dspark_jax.cache import ContextCache, resolve_cache_dtype
+from dspark_jax.config import positive_int
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.memory_gate import (

@@ -206,6 +206,24 @@ def dtype_of(value: Any) -> np.dtype:
     return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
+_DTYPE_KINDS = {jnp.integer: "an integer dtype", jnp.floating: "a floating dtype", jnp.bool_: "bool"}
+
+
+def check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
+    """The static dtype checks of the jittable entry points (they work on tracers).
+
+    Args:
+      fields: ``name: (value, kind)``, ``kind`` one of ``jnp.integer``, ``jnp.floating`` and
+        ``jnp.bool_``; None values are skipped.
+
+    Raises:
+      TypeError: for the first value whose dtype is not of its kind, naming it.
+    """
+    for name, (value, kind) in fields.items():
+        if value is not None and not jnp.issubdtype(dtype_of(value), kind):
+            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected {_DTYPE_KINDS[kind]}")
+
+
 def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
     """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or temperature 0 (or below)."""
     return (jnp.asarray(top_k) <= 1) | (jnp.asarray(temperatures) <= 0)
@@ -538,8 +556,7 @@ def sample_step(
     for name, value in (("temperatures", temperatures), ("greedy_mask", greedy_mask)):
         if tuple(np.shape(value)) != np.shape(logits)[:1]:
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = {np.shape(logits)[:1]}")
-    if dtype_of(greedy_mask) != jnp.bool_:
-        raise TypeError(f"greedy_mask has dtype {dtype_of(greedy_mask)}: expected bool (True for greedy rows)")
+    check_dtypes({"greedy_mask": (greedy_mask, jnp.bool_)})
     logits = logits.astype(jnp.float32)  # [B, V]
     batch, vocab = logits.shape
     width = race_width(vocab)

@@ -29,9 +29,10 @@ import safetensors
 import safetensors.numpy
 from flax import nnx, struct
 
-from dspark_jax.config import DTYPES, DraftConfig, TargetConfig, is_integer, read_json_file
+from dspark_jax.config import DTYPES, DraftConfig, TargetConfig, is_integer, positive_int, read_json_file
 from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
+from dspark_jax.sampling import check_dtypes
 
 
 @struct.dataclass
@@ -121,9 +122,7 @@ class Qwen3Target(nnx.Module):
         Raises:
           ValueError: ``batch`` or ``capacity`` is not an integer >= 1.
         """
-        for name, value in (("batch", batch), ("capacity", capacity)):
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        batch, capacity = positive_int("batch", batch), positive_int("capacity", capacity)
         cfg = self.config
         shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
         return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype))
@@ -205,9 +204,7 @@ class Qwen3Target(nnx.Module):
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
         if tokens.ndim != 2:
             raise ValueError(f"tokens has shape {tokens.shape}: expected [batch, new tokens]")
-        for name, x in (("tokens", tokens), ("positions", positions)):
-            if not jnp.issubdtype(x.dtype, jnp.integer):
-                raise TypeError(f"{name} has dtype {x.dtype}: expected an integer dtype")
+        check_dtypes({"tokens": (tokens, jnp.integer), "positions": (positions, jnp.integer)})
         if positions.shape != tokens.shape:
             raise ValueError(f"positions has shape {positions.shape}: expected tokens' shape {tokens.shape}")
         b = tokens.shape[0]
@@ -222,8 +219,7 @@ class Qwen3Target(nnx.Module):
         valid = jnp.asarray(valid)
         if valid.shape != tokens.shape:
             raise ValueError(f"valid has shape {valid.shape}: expected tokens' shape {tokens.shape}")
-        if valid.dtype != jnp.bool_:
-            raise TypeError(f"valid has dtype {valid.dtype}: expected bool")
+        check_dtypes({"valid": (valid, jnp.bool_)})
         if not isinstance(feature_layers, tuple | list) or not all(is_integer(i) for i in feature_layers):
             raise TypeError(f"feature_layers={feature_layers!r} is invalid: expected a tuple of integer layer ids")
         bad = [i for i in feature_layers if not -1 <= i < cfg.num_hidden_layers]

@@ -31,7 +31,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import sys
 import time
@@ -44,7 +43,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.config import DraftConfig, TargetConfig, is_integer, normalise_numbers, read_json_file
+from dspark_jax.config import (
+    DraftConfig,
+    TargetConfig,
+    is_integer,
+    is_real,
+    normalise_numbers,
+    positive_int,
+    read_json_file,
+)
 
 CHECKPOINT_ARRAYS = "train_state.npz"
 CHECKPOINT_META = "train_state.json"
@@ -69,7 +76,7 @@ def make_optimizer(
 
 def _check_number(name: str, value: Any) -> None:
     """Raises ``TypeError`` unless ``value`` is a real number (Python or NumPy; not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name}={value!r} has type {type(value).__name__}: must be a number")
 
 
@@ -224,9 +231,7 @@ def check_max_seconds(max_seconds: float | None) -> None:
     """Raises ``ValueError`` unless ``max_seconds`` is ``None`` or a finite number ``> 0``."""
     if max_seconds is None:
         return
-    if isinstance(max_seconds, bool) or not isinstance(max_seconds, numbers.Real):
-        raise ValueError(f"max_seconds={max_seconds!r} is invalid: must be a finite number > 0 or None")
-    if not (math.isfinite(max_seconds) and max_seconds > 0):
+    if not (is_real(max_seconds) and 0 < max_seconds < math.inf):
         raise ValueError(f"max_seconds={max_seconds!r} is invalid: must be a finite number > 0 or None")
 
 
@@ -597,9 +602,7 @@ def evaluate_draft(
       ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
         anchor's block, or a bad token stream.
     """
-    for name, value in (("batches", batches), ("batch_size", batch_size)):
-        if not is_integer(value) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    positive_int("batches", batches), positive_int("batch_size", batch_size)
     shortest = draft.cfg.num_query_rows + 2  # room for one anchor and its block of query rows
     if not is_integer(seq_len) or seq_len < shortest:
         raise ValueError(
@@ -658,9 +661,7 @@ def distillation_data(
     """
     from dspark_jax.generation import generate
 
-    for name, value in (("count", count), ("batch", batch)):
-        if not is_integer(value) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    positive_int("count", count), positive_int("batch", batch)
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"prompt_len={prompt_len!r} is invalid: must lie in 1..seq_len-1={seq_len - 1}")
     tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)

@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.config import is_integer
 from dspark_jax.sampling import (
+    check_dtypes,
     check_one_key,
     clamp_temperatures,
-    dtype_of,
     greedy_rows,
     greedy_step,
     inverse_temperatures,
@@ -107,11 +108,11 @@ def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, w
         raise ValueError(f"probs has shape {np.shape(probs)}: expected [..., V]")
     rows = tuple(np.shape(probs)[:-1])
     _check_shapes({"top_k": (top_k, rows), "top_p": (top_p, rows)}, "probs.shape[:-1]")
-    _check_dtypes({"top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)})
+    check_dtypes({"top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)})
     probs = probs.astype(jnp.float32)
     v = probs.shape[-1]
     width = v if width is None else width
-    if not _is_int(width) or not 1 <= width <= v:
+    if not is_integer(width) or not 1 <= width <= v:
         raise ValueError(f"width={width!r} is invalid: must be an integer in [1, V={v}]")
     top_k = jnp.asarray(top_k)[..., None]
     top_p = jnp.asarray(top_p)[..., None].astype(jnp.float32)
@@ -366,7 +367,7 @@ def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniform
         "exponentials": (exponentials, (b, v)),
     }
     _check_shapes(expected, "B, γ, V of target_logits")
-    _check_dtypes(
+    check_dtypes(
         {
             "block.draft_tokens": (block.draft_tokens, jnp.integer),
             "block.greedy_mask": (block.greedy_mask, jnp.bool_),
@@ -388,7 +389,7 @@ def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> No
         {"temperatures": (temperatures, shape[:1]), "top_k": (top_k, shape[:1]), "top_p": (top_p, shape[:1])},
         f"[B], one per row of logits {shape}",
     )
-    _check_dtypes(
+    check_dtypes(
         {"temperatures": (temperatures, jnp.floating), "top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)}
     )
 
@@ -400,28 +401,13 @@ def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) 
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} ({allowed})")
 
 
-_DTYPE_KINDS = {jnp.integer: "an integer dtype", jnp.floating: "a floating dtype", jnp.bool_: "bool"}
-
-
-def _check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
-    """TypeError for the first ``name: (value, kind)`` whose dtype is not of ``kind`` (None skipped)."""
-    for name, (value, kind) in fields.items():
-        if value is not None and not jnp.issubdtype(dtype_of(value), kind):
-            raise TypeError(f"{name} has dtype {dtype_of(value)}: expected {_DTYPE_KINDS[kind]}")
-
-
 def _check_filter_width(filter_width, vocab: int) -> None:
     """``filter_width`` must be static: None, or a Python (or NumPy) integer in ``[0, V]``."""
-    if filter_width is not None and not (_is_int(filter_width) and 0 <= filter_width <= vocab):
+    if filter_width is not None and not (is_integer(filter_width) and 0 <= filter_width <= vocab):
         raise ValueError(
             f"filter_width={filter_width!r} is invalid: must be None (= V), 0 (no top-k / top-p) or an integer "
             f"in [1, V={vocab}], given statically (see required_filter_width)"
         )
-
-
-def _is_int(value) -> bool:
-    """A Python or NumPy integer, not a bool (nor a traced value)."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _leading_true(flags: jax.Array) -> jax.Array:
@@ -462,7 +448,7 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
             f"confidence has shape {np.shape(confidence)} and steps_per_second {np.shape(steps_per_second)}: "
             "expected [B, γ] and [N]"
         )
-    _check_dtypes({"confidence": (confidence, jnp.floating), "steps_per_second": (steps_per_second, jnp.floating)})
+    check_dtypes({"confidence": (confidence, jnp.floating), "steps_per_second": (steps_per_second, jnp.floating)})
     b, gamma = confidence.shape
     if steps_per_second.shape[0] <= b * (gamma + 1):
         raise ValueError(
