@@ -5,11 +5,18 @@ Each kernel module (:mod:`dspark_jax.attention_kernel`, :mod:`dspark_jax.race_ke
 ``auto`` (default: the kernel on GPU backends where the kernel module says it applies),
 ``xla`` (never the kernel) or ``pallas`` (the kernel wherever it applies, through the
 Pallas interpreter off GPUs).
+
+Every GPU kernel here is Pallas on Triton, a backend jax 0.11 deprecates. Where a jax no
+longer ships it, ``auto`` takes the XLA paths (with one warning) and ``pallas`` on a GPU is
+refused, naming the variable.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import warnings
 
 import jax
 
@@ -43,17 +50,50 @@ def triton_params(warps: int, stages: int, interpret: bool) -> dict:
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether this jax ships Pallas's Triton backend (``jax.experimental.pallas.triton``),
+    which every GPU kernel here lowers through."""
+    try:
+        importlib.import_module("jax.experimental.pallas.triton")
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    warnings.warn(
+        f"jax {jax.__version__} has no Pallas Triton backend: dspark_jax runs its XLA paths "
+        "instead of its GPU kernels (correct, slower; see README, Performance)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def kernel_mode(variable: str, supported: bool) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace.
 
     Args:
       variable: the environment variable read by :func:`env_choice`.
       supported: whether the kernel applies to this trace's shapes and dtypes.
+
+    Raises:
+      ValueError: the variable asks for ``pallas`` on a GPU and this jax has no Pallas
+        Triton backend.
     """
     choice = env_choice(variable)
     if choice == "xla" or not supported:
         return False, False
     on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not triton_available():
+        if choice == "pallas":
+            raise ValueError(
+                f"{variable}='pallas' is invalid with jax {jax.__version__}: it has no Pallas Triton "
+                "backend for the GPU kernels; use 'auto' or 'xla'"
+            )
+        _warn_no_triton()
+        return False, False
     if choice == "auto":
         return on_gpu, False
     return True, not on_gpu
