@@ -69,7 +69,10 @@ def lr_schedule(steps: int, lr: float, warmup_frac: float = 0.04) -> optax.Sched
 def make_optimizer(
     steps: int, lr: float, *, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip_norm: float = 1.0
 ) -> optax.GradientTransformation:
-    """AdamW on :func:`lr_schedule`, after clipping the gradient's global norm to ``clip_norm``."""
+    """AdamW on :func:`lr_schedule`, after clipping the gradient's global norm to ``clip_norm``.
+
+    ``clip_norm=float("inf")`` never clips.
+    """
     schedule = lr_schedule(steps, lr, warmup_frac)
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))
 
@@ -113,8 +116,8 @@ def check_schedule_fields(cfg: Any, counts: tuple[str, ...]) -> None:
         _check_number(name, getattr(cfg, name))
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ValueError(f"lr={cfg.lr!r} is invalid: must be a finite number > 0")
-    if not cfg.clip_norm > 0:
-        raise ValueError(f"clip_norm={cfg.clip_norm!r} is invalid: must be > 0")
+    if not cfg.clip_norm > 0:  # inf is allowed: no clipping
+        raise ValueError(f"clip_norm={cfg.clip_norm!r} is invalid: must be > 0 (inf: no clipping)")
     if not 0 <= cfg.warmup_frac < 1:
         raise ValueError(f"warmup_frac={cfg.warmup_frac!r} is invalid: must lie in [0, 1)")
     _check_weight("weight_decay", cfg.weight_decay)
@@ -403,8 +406,10 @@ class DraftTrainConfig:
         if not any(getattr(self, name) > 0 for name in weights):
             raise ValueError(f"{' = '.join(weights)} = 0 is invalid: at least one loss weight must be > 0")
         _check_number("position_decay", self.position_decay)
-        if not self.position_decay > 0:
-            raise ValueError(f"position_decay={self.position_decay!r} is invalid: must be > 0")
+        if not self.position_decay > 0:  # inf is allowed: every position weighs the same
+            raise ValueError(
+                f"position_decay={self.position_decay!r} is invalid: must be > 0 (inf: equal position weights)"
+            )
 
 
 def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int) -> None:

@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from draft_testing import TRAINING_TARGET
 from flax import nnx
@@ -24,6 +25,7 @@ from dspark_jax.train import (
     evaluate_draft,
     load_train_state,
     lr_schedule,
+    make_optimizer,
     train_draft,
 )
 
@@ -99,9 +101,11 @@ def _jit_with_models(fn, draft, target):
     return lambda *args: jitted(ds, ts, *args)
 
 
-def test_total_loss_uses_the_deepspec_weights(target):
+@pytest.mark.parametrize("decay", [4.0, 1.5, float("inf")])
+def test_total_loss_uses_the_deepspec_weights(target, decay):
+    """Position k weighs exp(−k / position_decay), normalised; an infinite decay weighs positions equally."""
     draft = DSparkDraft(DRAFT_CFG, rngs=nnx.Rngs(1), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
-    tcfg = _tcfg()
+    tcfg = _tcfg(position_decay=decay)
 
     def both(d, t, tokens, anchors):
         return draft_loss(d, t, tokens, anchors, tcfg), draft_blocks(d, t, tokens, anchors)
@@ -110,7 +114,7 @@ def test_total_loss_uses_the_deepspec_weights(target):
     anchors = jnp.asarray([[1, 5, 10], [3, 7, 19]], jnp.int32)
     (loss, metrics), blocks = _jit_with_models(both, draft, target)(tokens, anchors)
     terms = block_loss_terms(blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks["confidence_logits"])
-    w = np.exp(-np.arange(4) / 4.0)
+    w = np.ones(4) if decay == float("inf") else np.exp(-np.arange(4) / decay)
     w = w / w.sum()
     mean = {k: float(np.mean(np.sum(np.asarray(v) * w, -1))) for k, v in terms.items()}
     np.testing.assert_allclose(float(loss), 0.1 * mean["ce"] + 0.9 * mean["tv"] + mean["bce"], rtol=1e-5)
@@ -144,6 +148,37 @@ def test_masked_training_blocks_match_a_draft_that_sees_only_the_prefix(target):
         np.testing.assert_allclose(blocks["corrected"][i], want, rtol=2e-4, atol=2e-4)
         np.testing.assert_array_equal(blocks["gold"][i], np.asarray(tokens[0, a + 1 : a + 5]))
         np.testing.assert_allclose(blocks["target_logits"][i], want_target, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("clip_norm", [0.5, float("inf")])
+def test_optimizer_clips_the_global_norm_and_an_infinite_clip_norm_never_clips(clip_norm):
+    """Two AdamW steps (the first at lr 0, the warmup) on gradients of global norm 13, then 0.25.
+
+    Adam's second update depends on how the two gradients compare, so it shows whether the
+    first was clipped to ``clip_norm``; the reference scales each gradient by
+    ``min(1, clip_norm / norm)`` by hand before a plain AdamW.
+    """
+    steps = [{"a": jnp.asarray([3.0, -4.0]), "b": jnp.asarray([[12.0]])}]  # global norm 13
+    steps.append(jax.tree.map(lambda g: g / 52.0, steps[0]))  # global norm 0.25
+    params = jax.tree.map(jnp.zeros_like, steps[0])
+
+    def run(opt, grads_list):
+        state, out = opt.init(params), None
+        for grads in grads_list:
+            out, state = opt.update(grads, state, params)
+        return out
+
+    got = run(make_optimizer(10, 1e-2, warmup_frac=0.0, clip_norm=clip_norm), steps)
+    plain = optax.adamw(lr_schedule(10, 1e-2, 0.0), weight_decay=0.0)
+    by_hand = [
+        jax.tree.map(lambda g, n=n: g * min(1.0, clip_norm / n), grads)
+        for grads, n in zip(steps, (13.0, 0.25), strict=True)
+    ]
+    expected, unclipped = run(plain, by_hand), run(plain, steps)
+    for name in params:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5)
+        assert np.any(np.asarray(got[name]) != 0)
+    assert np.allclose(expected["a"], unclipped["a"], rtol=1e-3) == (clip_norm == float("inf"))
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():
@@ -307,6 +342,8 @@ def test_numpy_integer_and_float_settings_are_stored_as_python_numbers():
         ("seed", -1, "must be an integer >= 0"),
         ("seed", 1.5, "must be an integer >= 0"),
         ("lr", float("inf"), "must be a finite number > 0"),
+        ("clip_norm", 0.0, "must be > 0 (inf: no clipping)"),
+        ("clip_norm", float("nan"), "must be > 0 (inf: no clipping)"),
     ],
 )
 def test_trainer_configs_refuse_bad_shared_settings(make, field, value, allowed):
@@ -321,6 +358,12 @@ def test_trainer_configs_refuse_bad_shared_settings(make, field, value, allowed)
 def test_loss_weights_must_be_finite_and_non_negative(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is invalid: must be a finite number >= 0")):
         _tcfg(**{field: value})
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan")])
+def test_position_decay_must_be_positive(value):
+    with pytest.raises(ValueError, match=re.escape(f"position_decay={value!r} is invalid: must be > 0 (inf: equal")):
+        _tcfg(position_decay=value)
 
 
 def test_all_zero_loss_weights_are_refused():
