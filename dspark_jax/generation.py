@@ -285,6 +285,22 @@ def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, extra: in
     return int(capacity)
 
 
+def _check_models(target: Any, *draft: Any) -> None:
+    """Raises ``TypeError`` unless ``target`` is an NNX target and the ``draft``, when one
+    is passed, a :class:`DSparkDraft`, naming a swapped pair as such."""
+    if isinstance(target, DSparkDraft):
+        swapped = " (the target and the draft are swapped: the target comes first)" if draft else ""
+        raise TypeError(f"target must be a target model, got a DSparkDraft{swapped}")
+    if not (
+        isinstance(target, nnx.Module) and hasattr(target, "config") and callable(getattr(target, "init_cache", None))
+    ):
+        raise TypeError(
+            f"target must be an NNX module with config and init_cache (dspark_jax.Target), got {type(target).__name__}"
+        )
+    if draft and not isinstance(draft[0], DSparkDraft):
+        raise TypeError(f"draft must be a DSparkDraft, got {type(draft[0]).__name__}")
+
+
 def _check_key(key: Any, batch: int) -> None:
     """One PRNG key (typed or raw); the rounds split it, so per-row keys are refused."""
     if key_rows(key, batch):
@@ -582,7 +598,8 @@ def speculative_generate(
       A :class:`GenerationResult`.
 
     Raises:
-      TypeError: a value of the wrong kind: a bool, string or float where an integer is
+      TypeError: ``target`` or ``draft`` is not a model of its kind (or the two are
+        swapped); a value of the wrong kind: a bool, string or float where an integer is
         expected, a bool or string where a number is, a ``device_loop`` that is not a
         bool, ``stop_tokens`` that are neither a list of ids nor one list per request,
         or a key per row.
@@ -594,6 +611,7 @@ def speculative_generate(
         output).
     """
     started = time.perf_counter()
+    _check_models(target, draft)
     check_pair(draft.cfg, target.config)
     gamma = draft.cfg.gamma
     tokens, lengths, requests = _requests(
@@ -769,11 +787,12 @@ def generate(
     ``while_loop``.
 
     Raises:
-      TypeError: as for :func:`speculative_generate`.
+      TypeError: as for :func:`speculative_generate` (``target`` a draft or not a model).
       ValueError: as for :func:`speculative_generate`; here a request's prompt +
         max_new_tokens must not exceed the target's ``max_position_embeddings``.
     """
     started = time.perf_counter()
+    _check_models(target)
     tokens, lengths, requests = _requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )

@@ -342,6 +342,19 @@ def test_plain_generate_refuses_bad_input(small_pair, kwargs, error, message):
         generate(target, **args)
 
 
+def test_models_of_the_wrong_kind_are_type_errors_naming_the_argument(small_pair):
+    target, draft = small_pair
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=5, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"got a DSparkDraft \(the target and the draft are swapped"):
+        speculative_generate(draft, target, **args)
+    with pytest.raises(TypeError, match="draft must be a DSparkDraft, got NoneType"):
+        speculative_generate(target, None, **args)
+    with pytest.raises(TypeError, match=r"target must be an NNX module with config and init_cache .*, got dict"):
+        speculative_generate({"config": target.config}, draft, **args)
+    with pytest.raises(TypeError, match="target must be a target model, got a DSparkDraft$"):
+        generate(draft, **args)
+
+
 def test_numpy_and_jax_numbers_act_as_python_numbers(small_pair):
     target, draft = small_pair
     run = functools.partial(speculative_generate, target, draft, [[1, 2, 3], [4]], key=jax.random.key(2))
