@@ -123,7 +123,18 @@ def load_corpus(root: str | os.PathLike | None = None, held_out_percent: int = H
 
 
 def encode_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
-    """Token ids of all documents, each followed by ``<|endoftext|>``: ``[N]`` int32."""
+    """Token ids of all documents, each followed by ``<|endoftext|>``: ``[N]`` int32.
+
+    Raises:
+      TypeError: ``texts`` is one string (or bytes) rather than an iterable of documents,
+        or a document is not a str.
+    """
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"texts must be an iterable of str documents, got a {type(texts).__name__}: wrap it in a list")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is a {type(text).__name__}: every document must be a str")
     eos = tokenizer.eos_id
     ids: list[int] = []
     for text in texts:

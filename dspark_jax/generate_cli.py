@@ -15,7 +15,8 @@ import jax
 
 from dspark_jax.checkpoint import load_draft
 from dspark_jax.cli import SEED_MAX, number_flag
-from dspark_jax.generation import GenerationResult, generate, speculative_generate
+from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE, GenerationResult, generate, speculative_generate
+from dspark_jax.sampling import TOP_K_MAX
 from dspark_jax.target import check_pair, load_target
 from dspark_jax.tokenizer import load_tokenizer
 
@@ -25,9 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, help="DSpark draft checkpoint folder")
     parser.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     parser.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the target folder)")
-    parser.add_argument("--max-new-tokens", type=number_flag(int, 1), default=64)
-    parser.add_argument("--temperature", type=number_flag(float, 0), default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=number_flag(int, 1), default=None, help="default: no top-k; 1 = greedy")
+    parser.add_argument("--max-new-tokens", type=number_flag(int, 1, MAX_NEW_TOKENS), default=64)
+    parser.add_argument("--temperature", type=number_flag(float, 0, MAX_TEMPERATURE), default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--top-k", type=number_flag(int, 1, TOP_K_MAX), default=None, help="default: no top-k; 1 = greedy"
+    )
     parser.add_argument("--top-p", type=number_flag(float, 0, 1, open_low=True), default=1.0)
     parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

@@ -46,7 +46,7 @@ from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
 from dspark_jax.verification import accept, required_filter_width, sample_tokens
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger temperature reaches the round as inf
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # a larger temperature reaches the round as inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class DecodeState:
 
 
 # ------------------------------------------------------------------ validation
-_INT32_MAX = int(np.iinfo(np.int32).max)  # max_new_tokens reaches the round as int32
+MAX_NEW_TOKENS = int(np.iinfo(np.int32).max)  # max_new_tokens reaches the round as int32
 
 
 def _scalar(value: Any) -> Any:
@@ -205,12 +205,12 @@ def _requests(
 
     max_new = _per_request("max_new_tokens", max_new_tokens, batch)
     for b, m in enumerate(max_new):
-        if not is_integer(m) or not 1 <= m <= _INT32_MAX:
-            allowed = f"must be an integer in [1, {_INT32_MAX}]"
+        if not is_integer(m) or not 1 <= m <= MAX_NEW_TOKENS:
+            allowed = f"must be an integer in [1, {MAX_NEW_TOKENS}]"
             raise _invalid(f"max_new_tokens[{b}]", m, allowed, right_kind=is_integer(m))
     temps = _per_request("temperature", temperature, batch)
     for b, t in enumerate(temps):
-        if not is_real(t) or not 0 <= t <= _FLOAT32_MAX:  # also refuses NaN
+        if not is_real(t) or not 0 <= t <= MAX_TEMPERATURE:  # also refuses NaN
             allowed = "must be a number >= 0 (0 = greedy), finite in float32"
             raise _invalid(f"temperature[{b}]", t, allowed, right_kind=is_real(t))
     ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]

@@ -64,13 +64,17 @@ def test_out_of_range_sampling_flags_are_refused_by_name_before_loading(tmp_path
     (the folders here do not exist)."""
     base = ["generate", "--target", str(tmp_path / "none"), "--draft", str(tmp_path / "none"), "--prompt", "x"]
     for flag, value, says in (
-        ("--top-k", "0", "must be >= 1"),
-        ("--temperature", "nan", "must be >= 0"),
-        ("--temperature", "-0.5", "must be >= 0"),
+        ("--top-k", "0", "must be in [1, 2147483647]"),
+        ("--temperature", "nan", "must be in [0, 3.4028234663852886e+38]"),
+        ("--temperature", "-0.5", "must be in [0, 3.4028234663852886e+38]"),
         ("--top-p", "0", "must be in (0, 1]"),
         ("--top-p", "1.5", "must be in (0, 1]"),
-        ("--max-new-tokens", "0", "must be >= 1"),
+        ("--max-new-tokens", "0", "must be in [1, 2147483647]"),
         ("--top-k", "2.5", "is not an integer"),
+        # the round reads top_k and max_new_tokens as int32 and temperatures as float32
+        ("--top-k", "2147483648", "must be in [1, 2147483647]"),
+        ("--max-new-tokens", "2147483648", "must be in [1, 2147483647]"),
+        ("--temperature", "1e39", "must be in [0, 3.4028234663852886e+38]"),
     ):
         try:
             main([*base, flag, value])

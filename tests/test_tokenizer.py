@@ -128,6 +128,17 @@ def test_training_refuses_a_bare_string_and_non_string_documents():
         train_bpe(["the cat", 5], 300)
 
 
+def test_encoding_documents_refuses_a_bare_string_and_non_string_documents(tok):
+    from dspark_jax.corpus import encode_documents
+
+    with pytest.raises(TypeError, match="texts must be an iterable of str documents, got a str: wrap it in a list"):
+        encode_documents(tok, "abc")
+    with pytest.raises(TypeError, match=r"texts\[1\] is a bytes: every document must be a str"):
+        encode_documents(tok, ["the cat", b"sat"])
+    ids = encode_documents(tok, (t for t in ["ab", "cd"]))  # any iterable of documents
+    assert ids.tolist() == [*tok.encode("ab"), tok.eos_id, *tok.encode("cd"), tok.eos_id]
+
+
 def test_malformed_tokenizer_files_are_refused_with_their_path(tok, tmp_path):
     good = tok.to_json()
     cases = {
