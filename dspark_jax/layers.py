@@ -51,7 +51,17 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
     Returns:
       ``[B, S, heads, D]`` in ``x.dtype``.
+
+    Raises:
+      ValueError: ``x`` is not 4-D with an even ``D``, or ``positions`` is not ``[B, S]``
+        (checked on static shapes: nothing is added to a traced program).
     """
+    if x.ndim != 4 or x.shape[-1] % 2:
+        raise ValueError(f"rope: x has shape {tuple(x.shape)}: expected [B, S, heads, D] with an even D")
+    if tuple(positions.shape) != tuple(x.shape[:2]):
+        raise ValueError(
+            f"rope: positions has shape {tuple(positions.shape)}: expected [B, S] = {tuple(x.shape[:2])} like x"
+        )
     d = x.shape[-1]
     cos, sin = rope_angles(positions, d, theta)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, S, 1, D/2]
@@ -71,9 +81,25 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
     Returns:
       ``[B, S, NH * D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: the shapes do not fit together as above, or ``NH`` is not a multiple
+        of ``KVH`` (static shapes only: nothing is added to a traced program).
     """
+    if q.ndim != 4 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [B, S, NH, D] "
+            "and k, v of one shape [B, L, KVH, D]"
+        )
     b, s, nh, d = q.shape
     kvh = k.shape[2]
+    if k.shape[0] != b or k.shape[3] != d or nh % kvh:
+        raise ValueError(
+            f"attend: q {tuple(q.shape)} and k {tuple(k.shape)} do not fit: same B and D, and NH={nh} a "
+            f"multiple of KVH={kvh}"
+        )
+    if tuple(mask.shape) != (b, s, k.shape[1]):
+        raise ValueError(f"attend: mask has shape {tuple(mask.shape)}: expected [B, S, L] = {(b, s, k.shape[1])}")
     qg = q.reshape(b, s, kvh, nh // kvh, d)  # [B, S, KVH, G, D]
     scores = jnp.einsum("bskgd,blkd->bkgsl", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)

@@ -67,6 +67,34 @@ def test_rope_at_long_context_positions_stays_within_float32_angle_error():
     assert rel_err(got, ref.rope(x, positions, 1_000_000.0)) <= 5e-3
 
 
+@pytest.mark.parametrize(
+    ("x_shape", "pos_shape", "message"),
+    [
+        ((2, 5, 3, 15), (2, 5), r"x has shape \(2, 5, 3, 15\): expected \[B, S, heads, D\] with an even D"),
+        ((2, 5, 16), (2, 5), r"x has shape \(2, 5, 16\)"),
+        ((2, 5, 3, 16), (5,), r"positions has shape \(5,\): expected \[B, S\] = \(2, 5\) like x"),
+    ],
+)
+def test_rope_refuses_shapes_that_do_not_fit(x_shape, pos_shape, message):
+    with pytest.raises(ValueError, match="rope: " + message):
+        rope(jnp.zeros(x_shape), jnp.zeros(pos_shape, jnp.int32), 10_000.0)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "mask_shape", "message"),
+    [
+        ((2, 3, 4, 8), (2, 6, 2, 8), (2, 6, 2, 4), (2, 3, 6), "expected q .* and k, v of one shape"),
+        ((2, 3, 4, 8), (2, 6, 3, 8), (2, 6, 3, 8), (2, 3, 6), "NH=4 a multiple of KVH=3"),
+        ((2, 3, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8), (2, 3, 6), "do not fit: same B and D"),
+        ((2, 3, 4, 8), (2, 6, 2, 8), (2, 6, 2, 8), (2, 3, 5), r"mask has shape \(2, 3, 5\): expected .* \(2, 3, 6\)"),
+    ],
+)
+def test_attend_refuses_shapes_that_do_not_fit(q_shape, k_shape, v_shape, mask_shape, message):
+    q, k, v = jnp.zeros(q_shape), jnp.zeros(k_shape), jnp.zeros(v_shape)
+    with pytest.raises(ValueError, match="^attend: .*" + message):
+        attend(q, k, v, jnp.ones(mask_shape, bool))
+
+
 def test_attend_grouped_query_matches_reference_with_masked_keys():
     rng = _rng(3)
     q = rng.standard_normal((2, 3, 4, 8))
