@@ -10,7 +10,8 @@ PyTorch ``Linear`` weights are ``[out, in]`` and become flax ``[in, out]`` kerne
 The borrowed ``embed_tokens`` / ``lm_head`` come from, in order: the arrays the caller
 passes, the attached target, the copies stored in the checkpoint. Every mismatch
 between the file, the config and the caller's flags raises a ``ValueError`` before any
-array is materialised on the device.
+array is materialised on the device; a tensor that is not floating point, or not finite
+after the cast to the parameter dtype, is refused as it is read.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
-from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig, read_json_file
-from dspark_jax.draft import DSparkDraft
-from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
+from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig, check_flag, read_json_file
+from dspark_jax.draft import DSparkDraft, check_draft
+from dspark_jax.safetensors_io import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    cast_weight,
+    folder_path,
+    open_safetensors,
+    read_index,
+    write_tensors,
+)
+from dspark_jax.sampling import check_dtypes
 
 CONFIG_NAME = "config.json"
 EMBED_NAME = "embed_tokens.weight"
@@ -78,6 +87,7 @@ class _TensorFiles:
     """Name → (file, stored name) over one or many safetensors files; reads lazily."""
 
     def __init__(self, folder: str):
+        self.folder = folder
         stored = read_index(folder)
         if stored is None:
             paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -87,12 +97,12 @@ class _TensorFiles:
                 )
             stored = {}
             for path in paths:
-                with safe_open(path, framework="numpy") as f:
+                with open_safetensors(path) as f:
                     stored[path] = list(f.keys())
         self.location: dict[str, tuple[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for path, names in stored.items():
-            with safe_open(path, framework="numpy") as f:
+            with open_safetensors(path) as f:
                 present = set(f.keys())
                 shard = os.path.basename(path)
                 unlisted = sorted(present - set(names))
@@ -119,8 +129,14 @@ class _TensorFiles:
 
     def get(self, name: str) -> np.ndarray:
         path, raw = self.location[name]
-        with safe_open(path, framework="numpy") as f:
+        with open_safetensors(path) as f:
             return f.get_tensor(raw)
+
+    def get_weight(self, name: str, dtype: Any, transpose: bool = False) -> jax.Array:
+        """The tensor (transposed to a flax kernel if asked) cast to ``dtype``; refuses
+        integer, bool and non-finite tensors (:func:`~dspark_jax.safetensors_io.cast_weight`)."""
+        array = self.get(name)
+        return cast_weight(name, array.T if transpose else array, dtype, self.folder)
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -130,7 +146,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 def _check_layout(cfg: DraftConfig, raw: dict[str, Any], layout: str | None) -> None:
     if layout is None:
         return
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"layout={layout!r} is invalid: must be one of {sorted(LAYOUTS)} or None (the checkpoint's own layout)"
         )
@@ -204,7 +220,12 @@ def _check_heads(cfg: DraftConfig, names: set[str]) -> None:
 
 
 def _check_tables(target: Any, embed_tokens: Any, lm_head: Any) -> None:
-    """Refuses borrowed tables that are not arrays, before anything is read."""
+    """Refuses borrowed tables that are not floating-point arrays or hold NaN or inf,
+    before anything is read.
+
+    The finiteness check reads each concrete table once (on the host for NumPy, on the
+    device for jax.Array), small next to reading the checkpoint; traced tables are skipped.
+    """
     for name, table in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
         where = name
         if table is None and target is not None:
@@ -217,6 +238,15 @@ def _check_tables(target: Any, embed_tokens: Any, lm_head: Any) -> None:
         if table is not None and not isinstance(table, (jax.Array, np.ndarray)):
             raise TypeError(
                 f"{where} must be a [V', H] array (jax.Array or numpy.ndarray) or None, got {type(table).__name__}"
+            )
+        if table is None or isinstance(table, jax.core.Tracer):
+            continue
+        check_dtypes({where: (table, jnp.floating)})
+        xp = np if isinstance(table, np.ndarray) else jnp
+        if not bool(xp.isfinite(table).all()):
+            raise ValueError(
+                f"{where} holds NaN or inf: expected a finite [V', H] table (the draft's embeddings and logits "
+                "would be NaN)"
             )
 
 
@@ -247,7 +277,7 @@ def _borrowed(
     def stored(name: str) -> jax.Array | None:
         if name not in files.names:
             return None
-        return jnp.asarray(files.get(name), dtype=cfg.jnp_param_dtype)
+        return files.get_weight(name, cfg.jnp_param_dtype)
 
     embed = embed_tokens
     if embed is None and target is not None:
@@ -302,21 +332,25 @@ def load_draft(
       The draft, with the checkpoint's parameters and the borrowed tables.
 
     Raises:
-      TypeError: ``embed_tokens`` or ``lm_head`` is not an array, or ``target`` lacks
-        ``embed_tokens`` / ``lm_head`` where they would be borrowed.
+      TypeError: ``embed_tokens`` or ``lm_head`` (the caller's or the target's) is not an
+        array or not floating point, or ``target`` lacks ``embed_tokens`` / ``lm_head``
+        where they would be borrowed.
       ValueError: a missing or malformed ``config.json`` (named with its path), a bad
-        config, a layout contradiction, a target that does not fit, a head type that
-        does not match the tensors, missing, unexpected or misshapen tensors (each named
-        with the checkpoint's and the expected shape), a shard holding a tensor its
-        index does not map there, or a ``confidence_head.sts_temperature`` that is not
-        finite and > 0.
+        config, a ``dtype`` or ``layout`` that is not one of the allowed names, a layout
+        contradiction, a target that does not fit, a borrowed table holding NaN or inf,
+        a head type that does not match the tensors, missing, unexpected or misshapen
+        tensors (each named with the checkpoint's and the expected shape), a shard
+        holding a tensor its index does not map there, an unreadable (truncated or
+        corrupt) safetensors file, a tensor that is not floating point or not finite
+        after the cast to its parameter dtype, or a ``confidence_head.sts_temperature``
+        that is not finite and > 0.
     """
-    folder = os.fspath(path)
+    folder = folder_path(path)
     config_path = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise ValueError(f"checkpoint path {folder!r} has no {CONFIG_NAME}: expected a checkpoint folder")
     raw = read_json_file(config_path)
-    if dtype is not None and dtype not in DTYPES:
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):
         raise ValueError(f"dtype={dtype!r} is invalid: must be one of {sorted(DTYPES)} or None (float32)")
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = DraftConfig.from_hf_config(raw, **overrides)
@@ -363,8 +397,7 @@ def load_draft(
         if name in borrowed:
             value = borrowed[name]
         elif name in files.names:
-            array = files.get(name)
-            value = jnp.asarray(array.T if transpose else array, dtype=leaf.dtype)
+            value = files.get_weight(name, leaf.dtype, transpose)
         else:
             value = jnp.ones(leaf.shape, leaf.dtype)  # an absent STS temperature is 1
         _set_leaf(pure, keys, value)
@@ -396,8 +429,20 @@ def save_draft(
 
     Returns:
       The names of the safetensors files written.
+
+    Raises:
+      TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft` or
+        ``include_borrowed`` is not a bool (nothing is written).
+      ValueError: ``path`` exists and is not a folder, or ``max_shard_bytes`` is not a
+        positive integer or ``None`` (nothing is written).
     """
-    folder = os.fspath(path)
+    check_draft(draft)
+    check_flag("include_borrowed", include_borrowed)
+    folder = folder_path(path)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(
+            f"draft path {folder!r} exists and is not a folder: expected a folder to write the checkpoint in"
+        )
     tensors = {}
     for keys, leaf in _flatten(nnx.to_pure_dict(nnx.state(draft))):
         name, transpose = tensor_name(keys)

@@ -83,6 +83,14 @@ def normalise_numbers(cfg: Any) -> None:
             object.__setattr__(cfg, f.name, float(value))
 
 
+def check_flag(name: str, value: Any, *, none_allowed: bool = False) -> None:
+    """Raises ``TypeError`` unless ``value`` is a bool (or None where ``none_allowed``): a string
+    such as "no" would be true."""
+    if not (isinstance(value, bool) or (none_allowed and value is None)):
+        allowed = "True, False or None" if none_allowed else "True or False"
+        raise TypeError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         _fail(name, value, "must be True or False")
@@ -94,7 +102,7 @@ def _check_positive_number(name: str, value: Any) -> None:
 
 
 def _check_dtype(name: str, value: Any) -> None:
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         _fail(name, value, f"must be one of {sorted(DTYPES)}")
 
 
@@ -148,7 +156,9 @@ def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
         if name in hf and hf[name] is not None:
             out[name] = hf[name]
         elif name == "head_dim" and "hidden_size" in hf and "num_attention_heads" in hf:
-            out[name] = hf["hidden_size"] // hf["num_attention_heads"]
+            # Checked first: the division would raise ZeroDivisionError or a raw TypeError.
+            heads = positive_int("num_attention_heads", hf["num_attention_heads"])
+            out[name] = positive_int("hidden_size", hf["hidden_size"]) // heads
         elif name == "num_key_value_heads" and "num_attention_heads" in hf:
             out[name] = hf["num_attention_heads"]
         elif default is None:

@@ -12,6 +12,7 @@ that shares them keeps one copy in memory.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from dspark_jax.layers import DecoderLayer, RMSNorm
 from dspark_jax.markov import MarkovHead, make_markov_head
 from dspark_jax.mlp_kernel import mlp_forward, use_mlp_kernel
 from dspark_jax.qk_norm_kernel import project_qkv
+from dspark_jax.sampling import check_dtypes
 
 
 class Borrowed(nnx.Variable):
@@ -91,6 +93,10 @@ class DSparkDraft(nnx.Module):
             one when omitted (tests, fresh training runs with a random target).
           lm_head: the target's ``[V', H]`` output projection; ``embed_tokens`` (tied)
             when omitted.
+
+        Raises:
+          TypeError: ``embed_tokens`` or ``lm_head`` is not floating point.
+          ValueError: ``embed_tokens`` or ``lm_head`` is not ``[V', H]`` with ``V' >= vocab_size``.
         """
         self.cfg = cfg
         h = cfg.hidden_size
@@ -98,6 +104,7 @@ class DSparkDraft(nnx.Module):
             embed_tokens = nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, h), cfg.jnp_param_dtype)
         if lm_head is None:
             lm_head = embed_tokens
+        check_dtypes({"embed_tokens": (embed_tokens, jnp.floating), "lm_head": (lm_head, jnp.floating)})
         for name, table in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if table.ndim != 2 or table.shape[1] != h or table.shape[0] < cfg.vocab_size:
                 raise ValueError(
@@ -302,3 +309,10 @@ class DSparkDraft(nnx.Module):
         if self.markov_head is None:
             return base
         return base + self.markov_head.block(prev, hidden).astype(jnp.float32)
+
+
+def check_draft(draft: Any) -> None:
+    """Raises ``TypeError`` unless ``draft`` is a :class:`DSparkDraft` (a draft config, say,
+    would fail later on a missing attribute)."""
+    if not isinstance(draft, DSparkDraft):
+        raise TypeError(f"draft must be a DSparkDraft, got {type(draft).__name__}")

@@ -4,22 +4,42 @@ A checkpoint folder holds its tensors in one ``model.safetensors`` or in shards
 ``model-XXXXX-of-YYYYY.safetensors`` listed by ``model.safetensors.index.json``
 (``{"metadata": {"total_size": …}, "weight_map": {tensor name: shard file}}``), the
 Hugging Face layout. Tensor naming is the callers' business
-(:mod:`dspark_jax.checkpoint`, :mod:`dspark_jax.target`).
+(:mod:`dspark_jax.checkpoint`, :mod:`dspark_jax.target`); opening a file
+(:func:`open_safetensors`) and the checks every loaded weight gets (:func:`cast_weight`:
+floating point, finite after the cast) are shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+from collections.abc import Iterator
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dspark_jax.config import read_json_file
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def folder_path(path: Any) -> str:
+    """``path`` (a str or ``os.PathLike``) as a str.
+
+    Raises:
+      TypeError: naming ``path`` and what it got, where ``os.fspath`` would not name it.
+    """
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"path must be a str or os.PathLike (a checkpoint folder), got {type(path).__name__}") from None
 
 
 def read_index(folder: str) -> dict[str, list[str]] | None:
@@ -52,6 +72,45 @@ def read_index(folder: str) -> dict[str, list[str]] | None:
         if not os.path.isfile(path):
             raise ValueError(f"{index_path} lists shard {os.path.basename(path)!r}, which does not exist")
     return shards
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    """``safe_open(path)`` over NumPy arrays, naming ``path`` when the file cannot be read.
+
+    Raises:
+      ValueError: the file is not a readable safetensors file (truncated or corrupt).
+    """
+    try:
+        with safe_open(path, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path!r} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
+def cast_weight(name: str, value: np.ndarray, dtype: Any, path: str) -> jax.Array:
+    """A checkpoint tensor as a device array of ``dtype``, refusing what the cast would hide.
+
+    Args:
+      name: the tensor's name, for the messages.
+      value: the tensor as read (already in the module's layout).
+      dtype: the parameter dtype (a floating dtype).
+      path: the checkpoint, for the messages.
+
+    Raises:
+      ValueError: ``value`` is not floating point (an integer or bool tensor would be cast
+        silently), or is not finite after the cast: NaN or inf in the file, or finite values
+        that overflow ``dtype`` (float16, say).
+    """
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise ValueError(f"tensor {name!r} of {path!r} has dtype {value.dtype}: expected a floating-point dtype")
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
+        cast = jnp.asarray(np.asarray(value), dtype)
+    if not bool(jnp.isfinite(cast).all()):
+        dtype_name = jnp.dtype(dtype).name
+        why = "NaN or inf" if not np.isfinite(value).all() else f"values overflow {dtype_name}"
+        raise ValueError(f"tensor {name!r} of {path!r} is not finite after the cast to {dtype_name}: {why}")
+    return cast
 
 
 def _stale_files(folder: str) -> list[str]:

@@ -25,13 +25,19 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors
-import safetensors.numpy
 from flax import nnx, struct
 
 from dspark_jax.config import DTYPES, DraftConfig, TargetConfig, is_integer, positive_int, read_json_file
 from dspark_jax.layers import DecoderLayer, RMSNorm
-from dspark_jax.safetensors_io import INDEX_NAME, WEIGHTS_NAME, read_index, write_tensors
+from dspark_jax.safetensors_io import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    cast_weight,
+    folder_path,
+    open_safetensors,
+    read_index,
+    write_tensors,
+)
 from dspark_jax.sampling import check_dtypes
 
 
@@ -276,10 +282,8 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
         shards = {os.path.join(path, WEIGHTS_NAME): None}
     tensors: dict[str, np.ndarray] = {}
     for shard, listed in shards.items():
-        try:
-            loaded = safetensors.numpy.load_file(shard)
-        except safetensors.SafetensorError as e:
-            raise ValueError(f"{shard!r} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+        with open_safetensors(shard) as f:
+            loaded = {key: f.get_tensor(key) for key in list(f.keys())}
         for key, value in loaded.items():
             if key in tensors:
                 raise ValueError(f"tensor {key!r} appears in more than one shard of {path!r}")
@@ -312,7 +316,7 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
         the wrong shape, is not floating point, is not finite after the cast to
         ``dtype``, or is not part of the model.
     """
-    path = os.fspath(path)
+    path = folder_path(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"target path {path!r} has no config.json: expected a Hugging Face checkpoint folder")
@@ -332,7 +336,7 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
             )
     if dtype is None:
         stored = hf.get("torch_dtype", hf.get("dtype"))
-        dtype = stored if stored in DTYPES else "float32"
+        dtype = stored if isinstance(stored, str) and stored in DTYPES else "float32"
     if hf.get("rope_scaling"):
         raise ValueError(
             f"{path!r}: rope_scaling={hf['rope_scaling']!r} is not supported: the reference target implements "
@@ -364,14 +368,7 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
         if value.shape != want:
             stored = tuple(reversed(want)) if transposed else want
             raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}: expected {stored}")
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise ValueError(f"tensor {name!r} has dtype {value.dtype}: expected a floating-point dtype")
-        with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
-            cast = jnp.asarray(np.asarray(value), cfg.jnp_param_dtype)
-        if not bool(jnp.isfinite(cast).all()):
-            why = "NaN or inf" if not np.isfinite(value).all() else f"values overflow {dtype}"
-            raise ValueError(f"tensor {name!r} of {path!r} is not finite after the cast to {dtype}: {why}")
-        variable.set_value(cast)
+        variable.set_value(cast_weight(name, value, cfg.jnp_param_dtype, path))
     unset = [leaf for leaf in jax.tree.leaves(nnx.state(target)) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unset:
         raise ValueError(f"Qwen3Target has {len(unset)} parameters without a Hugging Face tensor name")
@@ -388,9 +385,12 @@ def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes
         ``model.safetensors.index.json``; one ``model.safetensors`` when omitted.
 
     Raises:
+      TypeError: ``target`` is not a :class:`Qwen3Target`, or ``path`` not a path.
       ValueError: ``path`` exists and is not a folder, or ``max_shard_bytes`` is invalid.
     """
-    path = os.fspath(path)
+    if not isinstance(target, Qwen3Target):
+        raise TypeError(f"target must be a Qwen3Target, got {type(target).__name__}")
+    path = folder_path(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(
             f"target path {path!r} exists and is not a folder: expected a folder to write the checkpoint in"

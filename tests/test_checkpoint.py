@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from dspark_jax.cache import context_mask
 from dspark_jax.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_draft, save_draft
 from dspark_jax.config import TargetConfig
+from dspark_jax.draft import DSparkDraft
 from dspark_jax.markov import markov_walk
 from dspark_jax.target import Qwen3Target
 
@@ -541,3 +542,80 @@ def test_malformed_config_json_is_named_with_its_path(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=re.escape(f"{str(tmp_path / 'config.json')!r} is not valid JSON")):
         load_draft(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, value, dtype, message",
+    [
+        ("norm.weight", np.ones(32, np.int32), None, "has dtype int32: expected a floating-point dtype"),
+        ("norm.weight", np.ones(32, bool), None, "has dtype bool: expected a floating-point dtype"),
+        ("norm.weight", np.full(32, np.nan, np.float32), None, "not finite after the cast to float32: NaN or inf"),
+        (
+            "norm.weight",
+            np.full(32, 1e30, np.float32),
+            "float16",
+            "not finite after the cast to float16: values overflow",
+        ),
+        ("layers.0.mlp.up_proj.weight", np.ones((48, 32), np.int32), None, "has dtype int32"),
+        ("embed_tokens.weight", np.ones((EMBED_ROWS, 32), np.int32), None, "has dtype int32"),
+    ],
+    ids=["int", "bool", "nan", "overflow", "int-kernel", "int-stored-table"],
+)
+def test_load_draft_refuses_non_float_or_non_finite_weights(name, value, dtype, message, tmp_path):
+    _broken(tmp_path, add={name: value})
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name!r} of {str(tmp_path)!r} ") + ".*" + message):
+        load_draft(tmp_path, dtype=dtype)
+
+
+def test_borrowed_tables_must_be_floating_and_finite(tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
+    table = np.zeros((EMBED_ROWS, 32), np.float32)
+    with pytest.raises(TypeError, match="embed_tokens has dtype int32: expected a floating dtype"):
+        load_draft(tmp_path, embed_tokens=table.astype(np.int32), lm_head=table)
+    with pytest.raises(TypeError, match="target.lm_head has dtype bool: expected a floating dtype"):
+        load_draft(tmp_path, target=types.SimpleNamespace(embed_tokens=table, lm_head=table > 0))
+    with pytest.raises(ValueError, match=re.escape("lm_head holds NaN or inf: expected a finite [V', H] table")):
+        load_draft(tmp_path, lm_head=np.full_like(table, np.nan))
+    with pytest.raises(ValueError, match=re.escape("embed_tokens holds NaN or inf")):
+        load_draft(tmp_path, embed_tokens=jnp.asarray(table).at[3, 4].set(jnp.inf))
+    with pytest.raises(TypeError, match="lm_head has dtype int32: expected a floating dtype"):
+        DSparkDraft(tiny_config(), rngs=nnx.Rngs(0), lm_head=jnp.zeros((EMBED_ROWS, 32), jnp.int32))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_unreadable_safetensors_file_is_named_with_its_path(damage, tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
+    weights = tmp_path / WEIGHTS_NAME
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"garbage123456789")
+    with pytest.raises(ValueError, match=re.escape(f"{str(weights)!r} is not a readable safetensors file")):
+        load_draft(tmp_path)
+
+
+def test_dtype_and_layout_that_are_not_names_are_refused(tmp_path):
+    hf = deepspec_config()
+    write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
+    with pytest.raises(ValueError, match=re.escape("dtype=['float32'] is invalid: must be one of ['bfloat16'")):
+        load_draft(tmp_path, dtype=["float32"])
+    with pytest.raises(
+        ValueError, match=re.escape("layout=['anchor'] is invalid: must be one of ['anchor', 'dflash']")
+    ):
+        load_draft(tmp_path, layout=["anchor"])
+
+
+def test_save_draft_refuses_bad_arguments_before_writing(tmp_path):
+    draft = random_draft(tiny_config(), seed=8)
+    save_draft(draft, tmp_path)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    target = Qwen3Target(_target_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="draft must be a DSparkDraft, got Qwen3Target"):
+        save_draft(target, tmp_path)
+    with pytest.raises(TypeError, match=re.escape("include_borrowed='no' is invalid: must be True or False")):
+        save_draft(draft, tmp_path, include_borrowed="no")
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=f"{re.escape(str(afile))}' exists and is not a folder"):
+        save_draft(draft, afile)

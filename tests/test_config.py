@@ -159,6 +159,7 @@ DRAFT_ERRORS = [
     ({"attention_bias": "no"}, "attention_bias", "no", "True or False"),
     ({"dtype": "float64"}, "dtype", "float64", "['bfloat16', 'float16', 'float32']"),
     ({"param_dtype": "int8"}, "param_dtype", "int8", "['bfloat16', 'float16', 'float32']"),
+    ({"dtype": ["float32"]}, "dtype", ["float32"], "['bfloat16', 'float16', 'float32']"),
     ({"block_size": 0}, "block_size", 0, "integer >= 1"),
     ({"mask_token_id": 40}, "mask_token_id", 40, "0 <= id < vocab_size=40"),
     ({"mask_token_id": -1}, "mask_token_id", -1, "0 <= id < vocab_size=40"),
@@ -199,6 +200,8 @@ def test_target_config_validates_like_the_draft():
         TargetConfig(**{**base, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match=_message("tie_word_embeddings", "yes", "True or False")):
         TargetConfig(**{**base, "tie_word_embeddings": "yes"})
+    with pytest.raises(ValueError, match=_message("param_dtype", ["float32"], "['bfloat16', 'float16', 'float32']")):
+        TargetConfig(**{**base, "param_dtype": ["float32"]})
 
 
 HF_ERRORS = [
@@ -260,6 +263,27 @@ def test_rope_scaling_in_a_draft_file_is_refused_not_ignored(make):
     with pytest.raises(ValueError, match=_message("rope_scaling", {"type": "yarn", "factor": 4}, "not supported")):
         DraftConfig.from_hf_config(make())
     assert DraftConfig.from_hf_config(deepspec_dict(rope_scaling=None)) == DraftConfig.from_hf_config(deepspec_dict())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_attention_heads", 0), ("num_attention_heads", "32"), ("hidden_size", "4096")],
+    ids=str,
+)
+@pytest.mark.parametrize("form", ["target", "deepspec", "speculators"])
+def test_head_dim_is_derived_only_from_valid_fields(form, field, value):
+    def drop_head_dim(hf: dict) -> dict:
+        return {k: v for k, v in hf.items() if k != "head_dim"}
+
+    bad = drop_head_dim({**QWEN3_8B, "num_hidden_layers": 5, field: value})
+    read = {
+        "target": lambda: TargetConfig.from_hf_config(bad),
+        "deepspec": lambda: DraftConfig.from_hf_config(drop_head_dim(deepspec_dict(**{field: value}))),
+        "speculators": lambda: DraftConfig.from_hf_config(speculators_dict(transformer_layer_config=bad)),
+    }[form]
+    with pytest.raises(ValueError, match=_message(field, value, "must be an integer >= 1")):
+        read()
+    assert DraftConfig.from_hf_config(drop_head_dim(deepspec_dict())).head_dim == 128
 
 
 def test_target_from_hf_config_reads_tie_word_embeddings_strictly():

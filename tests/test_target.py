@@ -463,3 +463,24 @@ def test_save_target_refuses_a_path_that_is_a_file(tmp_path):
     path.write_text("")
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}' exists and is not a folder"):
         save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(0)), path)
+
+
+def test_save_and_load_name_a_model_or_path_of_the_wrong_kind(tmp_path):
+    from dspark_jax.checkpoint import load_draft
+
+    with pytest.raises(TypeError, match="target must be a Qwen3Target, got object"):
+        save_target(object(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    for load in (load_target, load_draft):
+        with pytest.raises(TypeError, match=r"path must be a str or os.PathLike \(a checkpoint folder\), got NoneType"):
+            load(None)
+
+
+def test_a_stored_dtype_that_is_not_a_name_falls_back_to_float32(tmp_path):
+    cfg = _cfg()
+    _write_hf(tmp_path, cfg, _hf_tensors(cfg, seed=1))
+    with open(tmp_path / "config.json") as f:
+        hf = json.load(f)
+    hf["torch_dtype"] = ["bfloat16"]  # not one of the dtype names: ignored, as an unknown name is
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert load_target(tmp_path).embed_tokens.dtype == jnp.float32
