@@ -68,6 +68,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.config import positive_int
+
 TOP_K_ALL = 1 << 30
 """``top_k`` meaning "no top-k" (sample from the full distribution)."""
 
@@ -182,11 +184,16 @@ def row_keys(key, batch: int) -> jax.Array:
 
     Args:
       key: see :func:`key_rows`.
-      batch: ``B``.
+      batch: ``B``, a Python or NumPy integer ``>= 1`` (static).
 
     Returns:
       Typed keys ``[B]``.
+
+    Raises:
+      ValueError: ``batch`` is not an integer ``>= 1`` (a bool or a float included).
+      TypeError: see :func:`key_rows`.
     """
+    batch = positive_int("batch", batch)
     per_row = key_rows(key, batch)
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)

@@ -24,6 +24,11 @@ argmax, or ``p`` at that row, not the residual, which is the right law only for 
 drawn from ``q``), so the output is still the target's. Sampling draws ``u ~ U[0, 1)`` and
 ``E ~ Exp(1)`` (the exponential race, ``argmax(probs / E)``), all in float32.
 
+Shapes and dtypes are checked while tracing. The requests' values (temperatures ``>= 0`` and
+finite, ``top_k`` in ``[1, TOP_K_MAX]``, ``top_p`` in ``(0, 1]``, as generation allows them) are
+checked only when concrete (an eager call, or host values): a traced value has nothing to read
+and a compiled round cannot raise, so the checks add nothing to a compiled program.
+
 Ranking the vocabulary for top-k / top-p is a sort, by far the dearest step on CPU, so
 the number of ranks examined is a static ``filter_width`` decided on the host from the
 requests (:func:`required_filter_width`): ``0`` when no sampling row restricts its distribution
@@ -40,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import is_integer
+from dspark_jax.config import is_integer, positive_int
 from dspark_jax.sampling import (
+    TOP_K_MAX,
     check_dtypes,
     check_one_key,
     clamp_temperatures,
@@ -53,6 +59,15 @@ from dspark_jax.sampling import (
 if TYPE_CHECKING:
     from dspark_jax.proposal import DraftBlock
 
+# Value rules of the requests' per-row inputs, ``(valid(values) -> bool array, what is allowed)``,
+# as generation allows them.
+_TEMPERATURES = (
+    lambda t: np.isfinite(t.astype(np.float32)) & (t >= 0),  # a float64 1e39 reaches the round as inf
+    "must be a number >= 0 (0 = greedy), finite in float32",
+)
+_TOP_K = (lambda k: (k >= 1) & (k <= TOP_K_MAX), f"must be an integer in [1, {TOP_K_MAX}] (1 = greedy)")
+_TOP_P = (lambda p: (p > 0) & (p <= 1), "must be a number in (0, 1]")
+
 
 def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
     """The static number of ranks top-k / top-p must examine for these requests (host side).
@@ -62,15 +77,35 @@ def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
     ``top_p < 1``.
 
     Args:
-      temperatures, top_k, top_p: ``[B]`` host values (NumPy or lists).
-      vocab_size: ``V``.
+      temperatures: ``[B]`` host values (NumPy or lists), ``>= 0`` and finite in float32.
+      top_k: ``[B]`` integers in ``[1, TOP_K_MAX]``.
+      top_p: ``[B]`` numbers in ``(0, 1]``.
+      vocab_size: ``V``, an integer ``>= 1``.
 
     Returns:
       ``0`` when no sampling row restricts (skip the ranking); otherwise the smallest power
       of two ``>=`` every restricting row's ``top_k``, capped at ``V`` (``V`` as soon as
       one restricting row has ``top_k >= V``, i.e. top-p alone).
+
+    Raises:
+      ValueError: ``vocab_size`` is not an integer ``>= 1``, the three are not ``[B]`` of one
+        length, or a value is out of range (naming its first offending entry).
+      TypeError: ``top_k`` is not of an integer dtype, ``temperatures`` or ``top_p`` not of a
+        numeric one.
     """
+    vocab_size = positive_int("vocab_size", vocab_size)
     temperatures, top_k, top_p = (np.asarray(x) for x in (temperatures, top_k, top_p))
+    shapes = tuple(x.shape for x in (temperatures, top_k, top_p))
+    if any(len(shape) != 1 for shape in shapes) or len(set(shapes)) != 1:
+        raise ValueError(
+            f"temperatures, top_k and top_p have shapes {shapes[0]}, {shapes[1]} and {shapes[2]}: "
+            "expected [B] each, one entry per request"
+        )
+    check_dtypes({"top_k": (top_k, jnp.integer)})
+    for name, values in (("temperatures", temperatures), ("top_p", top_p)):
+        if not (jnp.issubdtype(values.dtype, jnp.integer) or jnp.issubdtype(values.dtype, jnp.floating)):
+            raise TypeError(f"{name} has dtype {values.dtype}: expected a numeric (integer or floating) dtype")
+    _check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
     sampling = (top_k > 1) & (temperatures > 0)
     restricting = sampling & ((top_k < vocab_size) | (top_p < 1.0))
     if not restricting.any():
@@ -101,7 +136,8 @@ def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, w
     Raises:
       ValueError: ``probs`` has no vocabulary axis, ``top_k`` or ``top_p`` is not of shape
         ``probs.shape[:-1]``, or ``width`` is not an integer in ``[1, V]`` (all checked while
-        tracing).
+        tracing); with concrete values, a ``top_k`` outside ``[1, TOP_K_MAX]`` or a ``top_p``
+        outside ``(0, 1]``.
       TypeError: ``top_k`` is not of an integer dtype or ``top_p`` not of a floating one.
     """
     if np.ndim(probs) < 1:
@@ -109,11 +145,18 @@ def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, w
     rows = tuple(np.shape(probs)[:-1])
     _check_shapes({"top_k": (top_k, rows), "top_p": (top_p, rows)}, "probs.shape[:-1]")
     check_dtypes({"top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)})
-    probs = probs.astype(jnp.float32)
-    v = probs.shape[-1]
+    v = np.shape(probs)[-1]
     width = v if width is None else width
     if not is_integer(width) or not 1 <= width <= v:
         raise ValueError(f"width={width!r} is invalid: must be an integer in [1, V={v}]")
+    _check_values({"top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
+    return _top_k_top_p(probs, top_k, top_p, width)
+
+
+def _top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, width: int) -> jax.Array:
+    """:func:`apply_top_k_top_p` on checked inputs (``width`` an integer in ``[1, V]``)."""
+    probs = probs.astype(jnp.float32)
+    v = probs.shape[-1]
     top_k = jnp.asarray(top_k)[..., None]
     top_p = jnp.asarray(top_p)[..., None].astype(jnp.float32)
     ranked, order = jax.lax.top_k(probs, width)  # [..., W] descending, ties by lowest id
@@ -159,12 +202,19 @@ def target_probs(
 
     Raises:
       ValueError: ``logits`` is not ``[B, ..., V]``, a per-row input is not ``[B]``, or
-        ``filter_width`` is not None or an integer in ``[0, V]`` (checked while tracing).
+        ``filter_width`` is not None or an integer in ``[0, V]`` (checked while tracing); with
+        concrete values, a temperature that is negative, NaN or infinite, a ``top_k`` outside
+        ``[1, TOP_K_MAX]`` or a ``top_p`` outside ``(0, 1]``.
       TypeError: ``top_k`` is not of an integer dtype, ``temperatures`` or ``top_p`` not of a
         floating one.
     """
     _check_per_row_inputs(logits, "[B, ..., V]", temperatures, top_k, top_p)
     _check_filter_width(filter_width, np.shape(logits)[-1])
+    return _target_probs(logits, temperatures, top_k, top_p, filter_width)
+
+
+def _target_probs(logits, temperatures, top_k, top_p, filter_width: int | None) -> jax.Array:
+    """:func:`target_probs` on checked inputs."""
     extra = logits.ndim - 2
     expand = (slice(None),) + (None,) * extra
     inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[expand + (None,)]
@@ -173,7 +223,7 @@ def target_probs(
         return probs
     rows = probs.shape[:-1]
     top_k, top_p = (jnp.broadcast_to(jnp.asarray(x)[expand], rows) for x in (top_k, top_p))
-    return apply_top_k_top_p(probs, top_k, top_p, width=filter_width)
+    return _top_k_top_p(probs, top_k, top_p, probs.shape[-1] if filter_width is None else filter_width)
 
 
 def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -215,7 +265,9 @@ def sample_tokens(
     Raises:
       ValueError: ``logits`` is not ``[B, V]``, a per-row input is not ``[B]``, or
         ``filter_width`` is not None or an integer in ``[0, V]`` (checked while tracing: a
-        ``[1]`` would otherwise spread over every row).
+        ``[1]`` would otherwise spread over every row); with concrete values, a temperature
+        that is negative, NaN or infinite, a ``top_k`` outside ``[1, TOP_K_MAX]`` or a
+        ``top_p`` outside ``(0, 1]``.
       TypeError: ``top_k`` is not of an integer dtype, ``temperatures`` or ``top_p`` not of a
         floating one, or ``key`` is not one PRNG key.
     """
@@ -260,7 +312,9 @@ def accept(
 
     Raises:
       ValueError: a shape does not match ``target_logits [B, γ + 1, V]``, or ``filter_width``
-        is not None or an integer in ``[0, V]`` (checked while tracing).
+        is not None or an integer in ``[0, V]`` (checked while tracing); with concrete values,
+        a ``block.temperatures`` entry that is negative, NaN or infinite, a ``top_k`` outside
+        ``[1, TOP_K_MAX]`` or a ``top_p`` outside ``(0, 1]`` (greedy rows included).
       TypeError: ``key`` is not one PRNG key; ``draft_tokens``, ``top_k`` or ``verify_len`` is
         not of an integer dtype, ``temperatures`` or ``top_p`` not of a floating one.
     """
@@ -298,7 +352,7 @@ def accept_with_noise(
     Raises:
       ValueError: a shape does not match ``target_logits [B, γ + 1, V]``, or ``filter_width``
         is not None or an integer in ``[0, V]`` (checked while tracing, as every shape here is
-        static).
+        static); a concrete value out of range, as in :func:`accept`.
       TypeError: ``draft_tokens``, ``top_k`` or ``verify_len`` is not of an integer dtype,
         ``temperatures`` or ``top_p`` not of a floating one.
     """
@@ -319,7 +373,7 @@ def accept_with_noise(
         return greedy_len, greedy_bonus
 
     temps = clamp_temperatures(block.temperatures)
-    p = target_probs(target_logits, temps, top_k, top_p, filter_width=filter_width)  # [B, T, V]
+    p = _target_probs(target_logits, temps, top_k, top_p, filter_width)  # [B, T, V]
     # [B, γ, V]: corrected / T as the draft's race formed it
     q = jax.nn.softmax(block.corrected_logits.astype(jnp.float32) * inverse_temperatures(temps)[:, None, None], axis=-1)
     index = jnp.where(in_vocab, drafts, 0)[..., None]  # [B, γ, 1]; the cap rejects the slots it changes
@@ -347,7 +401,8 @@ def _target_shape(target_logits: jax.Array) -> tuple[int, int, int]:
 
 
 def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials, filter_width) -> None:
-    """The static checks of :func:`accept_with_noise` (shapes, dtypes, ``filter_width``; see there)."""
+    """The checks of :func:`accept_with_noise`: shapes, dtypes and ``filter_width`` (static), then
+    the concrete values (see there)."""
     b, t, v = _target_shape(target_logits)
     gamma = t - 1
     corrected = np.shape(block.corrected_logits)
@@ -378,10 +433,14 @@ def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniform
         }
     )
     _check_filter_width(filter_width, v)
+    _check_values(
+        {"block.temperatures": (block.temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)}
+    )
 
 
 def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> None:
-    """``logits [B, ..., V]`` (at least 2-D) and the per-row ``[B]`` inputs, with their dtypes."""
+    """``logits [B, ..., V]`` (at least 2-D) and the per-row ``[B]`` inputs, with their dtypes and
+    (when concrete) values."""
     shape = tuple(np.shape(logits))
     if len(shape) < 2:
         raise ValueError(f"logits has shape {shape}: expected {layout}")
@@ -392,6 +451,26 @@ def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> No
     check_dtypes(
         {"temperatures": (temperatures, jnp.floating), "top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)}
     )
+    _check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
+
+
+def _check_values(fields: dict[str, tuple[Any, tuple[Any, str]]]) -> None:
+    """ValueError for the first ``name: (value, (valid, allowed))`` holding an entry ``valid``
+    refuses, naming it (``top_k[3]=0``); None values are skipped.
+
+    Only concrete values are read: a tracer (the library's compiled rounds) is skipped, as in
+    ``Qwen3Target.__call__``, so nothing is added to a traced program.
+    """
+    for name, (value, (valid, allowed)) in fields.items():
+        if value is None or isinstance(value, jax.core.Tracer):
+            continue
+        values = np.asarray(value)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = valid(values)
+        if not ok.all():
+            index = np.unravel_index(int(np.argmin(ok)), values.shape)
+            at = f"[{', '.join(str(i) for i in index)}]" if index else ""
+            raise ValueError(f"{name}{at}={values[index]} is invalid: {allowed}")
 
 
 def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) -> None:

@@ -11,6 +11,7 @@ TV changes by at most ``1 / n`` when one draw changes, so McDiarmid gives
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -348,3 +349,14 @@ def test_check_one_key_accepts_one_key_of_any_form(key):
 def test_check_one_key_refuses_batches_and_non_keys_naming_key(key, message):
     with pytest.raises(TypeError, match=message + r": expected one PRNG key \(a typed .*\)$"):
         S.check_one_key(key)
+
+
+@pytest.mark.parametrize("batch", [-1, 0, 2.0, True, "2", np.float32(2)])
+def test_row_keys_refuses_a_batch_that_is_not_a_positive_integer(batch):
+    """Batches of -1 and 0 used to give empty keys, and 2.0 to pass."""
+    with pytest.raises(ValueError, match="^" + re.escape(f"batch={batch!r} is invalid: must be an integer >= 1")):
+        row_keys(jax.random.key(0), batch)
+
+
+def test_row_keys_takes_a_numpy_integer_batch():
+    assert row_keys(jax.random.key(0), np.int64(3)).shape == (3,)

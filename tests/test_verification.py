@@ -546,3 +546,122 @@ def test_filter_width_must_be_a_static_integer_in_zero_to_vocab(width):
             accept(jnp.zeros((1, 3, 3)), block, top_k=top_k, top_p=top_p, key=jax.random.key(0), filter_width=width)
     with pytest.raises(ValueError, match=message):
         sample_tokens(jnp.zeros((1, 3)), jnp.asarray([1.0]), top_k, top_p, jax.random.key(0), filter_width=width)
+
+
+_TEMPERATURE_RULE = r"must be a number >= 0 \(0 = greedy\), finite in float32"
+_TOP_K_RULE = r"must be an integer in \[1, 2147483647\] \(1 = greedy\)"
+_TOP_P_RULE = r"must be a number in \(0, 1\]"
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "message"),
+    [
+        ([0, 0], [1.0, 1.0], rf"^top_k\[0\]=0 is invalid: {_TOP_K_RULE}"),
+        ([2, -5], [1.0, 1.0], rf"^top_k\[1\]=-5 is invalid: {_TOP_K_RULE}"),
+        ([2, 2], [1.0, 0.0], rf"^top_p\[1\]=0.0 is invalid: {_TOP_P_RULE}"),
+        ([2, 2], [-1.0, 0.5], rf"^top_p\[0\]=-1.0 is invalid: {_TOP_P_RULE}"),
+        ([2, 2], [np.nan, 0.5], rf"^top_p\[0\]=nan is invalid: {_TOP_P_RULE}"),
+        ([2, 2], [0.5, 1.5], rf"^top_p\[1\]=1.5 is invalid: {_TOP_P_RULE}"),
+    ],
+)
+def test_apply_top_k_top_p_refuses_concrete_top_k_below_one_and_top_p_outside_zero_one(top_k, top_p, message):
+    """top_k = 0 or < 0 used to keep the whole distribution, top_p <= 0 or NaN to turn a row greedy."""
+    probs = jnp.full((_B, _V), 1.0 / _V)
+    with pytest.raises(ValueError, match=message):
+        apply_top_k_top_p(probs, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+
+
+def test_apply_top_k_top_p_names_the_first_bad_entry_of_many_rows():
+    top_k = np.full((2, 3), 2, np.int32)
+    top_k[1, 2] = 0
+    with pytest.raises(ValueError, match=rf"^top_k\[1, 2\]=0 is invalid: {_TOP_K_RULE}"):
+        apply_top_k_top_p(jnp.full((2, 3, _V), 1.0 / _V), top_k, np.ones((2, 3), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(temperatures=[np.nan, 1.0]), rf"temperatures\[0\]=nan is invalid: {_TEMPERATURE_RULE}"),
+        (dict(temperatures=[1.0, -1.0]), rf"temperatures\[1\]=-1.0 is invalid: {_TEMPERATURE_RULE}"),
+        (dict(temperatures=[np.inf, 1.0]), rf"temperatures\[0\]=inf is invalid: {_TEMPERATURE_RULE}"),
+        (dict(top_k=[0, 4]), rf"top_k\[0\]=0 is invalid: {_TOP_K_RULE}"),
+        (dict(top_p=[1.0, np.nan]), rf"top_p\[1\]=nan is invalid: {_TOP_P_RULE}"),
+    ],
+)
+def test_sample_tokens_and_target_probs_refuse_concrete_values_out_of_range(change, message):
+    """NaN or negative temperatures used to give tokens without a word (and top_k = 0 a greedy row)."""
+    args = dict(temperatures=[1.0, 1.0], top_k=[4, 4], top_p=[1.0, 1.0]) | change
+    temps, top_k, top_p = (
+        jnp.asarray(args[k], dtype)
+        for k, dtype in (("temperatures", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32))
+    )
+    with pytest.raises(ValueError, match=f"^{message}"):
+        sample_tokens(jnp.zeros((_B, _V)), temps, top_k, top_p, jax.random.key(0))
+    with pytest.raises(ValueError, match=f"^{message}"):
+        target_probs(jnp.zeros((_B, 3, _V)), temps, top_k, top_p)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(temperatures=[np.nan, 1.0]), rf"block.temperatures\[0\]=nan is invalid: {_TEMPERATURE_RULE}"),
+        (dict(temperatures=[1.0, -1.0]), rf"block.temperatures\[1\]=-1.0 is invalid: {_TEMPERATURE_RULE}"),
+        (dict(temperatures=[1.0, np.inf]), rf"block.temperatures\[1\]=inf is invalid: {_TEMPERATURE_RULE}"),
+        (dict(top_k=[4, 0]), rf"top_k\[1\]=0 is invalid: {_TOP_K_RULE}"),
+        (dict(top_p=[0.0, 1.0]), rf"top_p\[0\]=0.0 is invalid: {_TOP_P_RULE}"),
+    ],
+)
+def test_accept_refuses_concrete_values_out_of_range(change, message):
+    """A NaN in block.temperatures used to change accept's output silently."""
+    args = dict(temperatures=[1.0, 1.0], top_k=[4, 4], top_p=[1.0, 1.0]) | change
+    block = _block(np.zeros((_B, 2), np.int32), np.zeros((_B, 2, 3)), np.array([False, True]), [1.0, 1.0])
+    block = block.replace(temperatures=jnp.asarray(args["temperatures"], jnp.float32))  # unclamped: NaN, -1, inf stay
+    top_k, top_p = jnp.asarray(args["top_k"], jnp.int32), jnp.asarray(args["top_p"], jnp.float32)
+    for greedy_only in (False, True):  # checked on the greedy-only path too
+        if greedy_only:
+            block = block.replace(corrected_logits=jnp.zeros((_B, 2, 0)))
+        with pytest.raises(ValueError, match=f"^{message}"):
+            accept(jnp.zeros((_B, 3, 3)), block, top_k=top_k, top_p=top_p, key=jax.random.key(0))
+
+
+def test_concrete_value_checks_allow_greedy_settings_and_skip_traced_values():
+    """Temperature 0 and top_k 1 (greedy) pass; inside jit nothing is read back or refused."""
+    logits = jnp.asarray([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    temps, top_k, top_p = jnp.asarray([0.0, 1.0]), jnp.asarray([4, 1], jnp.int32), jnp.asarray([1.0, 0.5])
+    np.testing.assert_array_equal(np.asarray(sample_tokens(logits, temps, top_k, top_p, jax.random.key(0))), [1, 0])
+    bad = (jnp.asarray([np.nan, -1.0]), jnp.asarray([0, -3], jnp.int32), jnp.asarray([np.nan, 0.0]))
+    jax.jit(sample_tokens)(logits, *bad, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        (([1.0, 1.0, 1.0], [3], [0.5, 0.2], 8), ValueError, r"shapes \(3,\), \(1,\) and \(2,\): expected \[B\] each"),
+        ((1.0, 3, 0.5, 8), ValueError, r"shapes \(\), \(\) and \(\): expected \[B\] each"),
+        ((["1"], [3], [0.5], 8), TypeError, r"^temperatures has dtype <U1: expected a numeric"),
+        (([1.0], [3.0], [0.5], 8), TypeError, r"^top_k has dtype float64: expected an integer dtype"),
+        (([1.0], [3], [None], 8), TypeError, r"^top_p has dtype object: expected a numeric"),
+        (
+            ([np.nan, 1.0], [2, 2], [1.0, 1.0], 4),
+            ValueError,
+            rf"^temperatures\[0\]=nan is invalid: {_TEMPERATURE_RULE}",
+        ),
+        (([1.0, -2.0], [2, 2], [1.0, 1.0], 4), ValueError, rf"^temperatures\[1\]=-2.0 is invalid: {_TEMPERATURE_RULE}"),
+        (([1.0, 1.0], [-3, 2], [1.0, 1.0], 4), ValueError, rf"^top_k\[0\]=-3 is invalid: {_TOP_K_RULE}"),
+        (([1.0, 1.0], [2, 0], [1.0, 1.0], 4), ValueError, rf"^top_k\[1\]=0 is invalid: {_TOP_K_RULE}"),
+        (([1.0, 1.0], [2, 1 << 40], [1.0, 1.0], 4), ValueError, r"^top_k\[1\]=1099511627776 is invalid"),
+        (([1.0, 1.0], [2, 2], [1.0, np.nan], 4), ValueError, rf"^top_p\[1\]=nan is invalid: {_TOP_P_RULE}"),
+        (([1.0, 1.0], [2, 2], [0.0, 1.0], 4), ValueError, rf"^top_p\[0\]=0.0 is invalid: {_TOP_P_RULE}"),
+        (([1.0], [3], [0.5], 0), ValueError, r"^vocab_size=0 is invalid: must be an integer >= 1"),
+        (([1.0], [3], [0.5], 8.0), ValueError, r"^vocab_size=8.0 is invalid: must be an integer >= 1"),
+        (([1.0], [3], [0.5], True), ValueError, r"^vocab_size=True is invalid: must be an integer >= 1"),
+    ],
+)
+def test_required_filter_width_refuses_bad_requests_naming_the_field(args, error, message):
+    """It used to check nothing: a raw broadcast error, a UFuncTypeError, or NaN and negatives passing."""
+    with pytest.raises(error, match=message):
+        required_filter_width(*args)
+
+
+def test_required_filter_width_takes_host_numbers_of_either_kind():
+    assert required_filter_width([1, 0], np.array([3, 1], np.int64), [1, 1], np.int64(8)) == 4
