@@ -83,9 +83,12 @@ def init_context_cache(cfg: DraftConfig, batch: int, capacity: int, dtype: Any =
       The zero-filled :class:`ContextCache`, ``[L, batch, capacity, KVH, D]``.
 
     Raises:
+      TypeError: ``cfg`` is not a :class:`~dspark_jax.config.DraftConfig`, or ``dtype`` is not a
+        floating dtype.
       ValueError: ``batch`` or ``capacity`` is not an integer >= 1.
-      TypeError: ``dtype`` is not a floating dtype.
     """
+    if not isinstance(cfg, DraftConfig):
+        raise TypeError(f"cfg must be a DraftConfig, got {type(cfg).__name__}")
     batch, capacity = positive_int("batch", batch), positive_int("capacity", capacity)
     dtype = resolve_cache_dtype(cfg, dtype)
     shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
@@ -111,9 +114,10 @@ def write_context(cache: ContextCache, k: jax.Array, v: jax.Array, start: jax.Ar
 
     Raises:
       ValueError: a shape does not match the cache (checked while tracing).
-      TypeError: ``start`` or ``count`` is not of an integer dtype (bool and float are refused:
-        they would be truncated silently).
+      TypeError: ``cache`` is not a :class:`ContextCache`, or ``start`` or ``count`` is not of an
+        integer dtype (bool and float are refused: they would be truncated silently).
     """
+    _check_cache(cache)
     _check_kv(cache, k, v)
     _check_rows(cache, {"start": start, "count": count})
     n = k.shape[2]
@@ -148,9 +152,10 @@ def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Arr
 
     Raises:
       ValueError: a shape does not match (checked while tracing: every shape is static).
-      TypeError: ``start`` or ``count`` is not of an integer dtype.
+      TypeError: ``draft`` or ``cache`` is of the wrong type, ``features`` not of a floating
+        dtype, or ``start`` or ``count`` not of an integer dtype.
     """
-    _check_features(draft.cfg, cache, features, {"start": start, "count": count})
+    _check_features(draft, cache, features, {"start": start, "count": count})
     n = features.shape[1]
     positions = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)
     k, v = draft.context_kv(features, positions)
@@ -158,10 +163,15 @@ def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Arr
 
 
 def _check_features(
-    cfg, cache: ContextCache, features: Any, rows: dict[str, Any], masks: dict[str, Any] | None = None
+    draft: Any, cache: Any, features: Any, rows: dict[str, Any], masks: dict[str, Any] | None = None
 ) -> None:
-    """``features`` must be ``[B, N, K·H]`` for the cache's ``B`` slots and the draft's ``K·H``,
-    and ``rows`` and ``masks`` as :func:`_check_rows` says; raises naming the field otherwise."""
+    """``draft`` must be a draft, ``cache`` a :class:`ContextCache`, ``features`` ``[B, N, K·H]``
+    of a floating dtype for the cache's ``B`` slots and the draft's ``K·H``, and ``rows`` and
+    ``masks`` as :func:`_check_rows` says; raises naming the argument otherwise."""
+    cfg = getattr(draft, "cfg", None)
+    if not isinstance(cfg, DraftConfig):  # the draft module is not imported here (it is a layer above)
+        raise TypeError(f"draft must be a DSparkDraft, got {type(draft).__name__}")
+    _check_cache(cache)
     width = cfg.num_fused_layers * cfg.hidden_size
     shape = tuple(np.shape(features))
     if len(shape) != 3 or shape[0] != cache.batch or shape[2] != width:
@@ -169,7 +179,15 @@ def _check_features(
             f"features has shape {shape}: expected [B, N, K·H] with B={cache.batch} (the cache's request slots) and "
             f"K·H={width} ({cfg.num_fused_layers} target layers × hidden size {cfg.hidden_size})"
         )
+    # the draft projects them: int or bool features would be cast silently, strings fail inside NumPy
+    check_dtypes({"features": (features, jnp.floating)})
     _check_rows(cache, rows, masks)
+
+
+def _check_cache(cache: Any) -> None:
+    """Raises ``TypeError`` unless ``cache`` is a :class:`ContextCache`."""
+    if not isinstance(cache, ContextCache):
+        raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
 
 
 def _check_rows(cache: ContextCache, rows: dict[str, Any], masks: dict[str, Any] | None = None) -> None:
@@ -231,11 +249,12 @@ def commit(
 
     Raises:
       ValueError: a shape does not match (checked while tracing).
-      TypeError: ``prefix_lens`` or ``correct_len`` is not of an integer dtype (bool and float
-        are refused: they would be truncated silently), or ``active`` is not bool.
+      TypeError: ``draft`` is not a draft or ``cache`` not a :class:`ContextCache`, ``features``
+        is not of a floating dtype, ``prefix_lens`` or ``correct_len`` not of an integer dtype
+        (bool and float are refused: they would be truncated silently), or ``active`` not bool.
     """
     masks = {"active": active} if active is not None else {}
-    _check_features(draft.cfg, cache, features, {"prefix_lens": prefix_lens, "correct_len": correct_len}, masks)
+    _check_features(draft, cache, features, {"prefix_lens": prefix_lens, "correct_len": correct_len}, masks)
     count = jnp.asarray(correct_len, jnp.int32) + 1  # [B] commit_len
     if active is not None:
         count = jnp.where(active, count, 0)
@@ -260,9 +279,10 @@ def prefill(draft: DSparkDraft, cache: ContextCache, features: jax.Array, length
 
     Raises:
       ValueError: a shape does not match (checked while tracing).
-      TypeError: ``lengths`` is not of an integer dtype (bool and float are refused: they
-        would be truncated silently).
+      TypeError: ``draft`` is not a draft or ``cache`` not a :class:`ContextCache`, ``features``
+        is not of a floating dtype, or ``lengths`` not of an integer dtype (bool and float are
+        refused: they would be truncated silently).
     """
-    _check_features(draft.cfg, cache, features, {"lengths": lengths})
+    _check_features(draft, cache, features, {"lengths": lengths})
     lengths = jnp.asarray(lengths, jnp.int32)
     return fill_context(draft, cache, features, jnp.zeros_like(lengths), lengths)

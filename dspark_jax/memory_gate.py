@@ -36,6 +36,8 @@ from typing import Any
 
 import jax
 
+from dspark_jax.config import is_integer, positive_int
+
 ENV_VAR = "DSPARK_JAX_FOLDED_SAMPLING"
 GIB = 1 << 30
 
@@ -199,14 +201,37 @@ def plan_folded_sampling(
 
     Returns:
       The :class:`GateDecision`.
+
+    Raises:
+      ValueError: an unknown mode; ``max_batch``, ``gamma``, ``vocab`` or ``logits_itemsize``
+        not an integer >= 1; ``noise_itemsize`` or ``headroom`` not an integer >= 0;
+        ``free_bytes`` or ``compiled_bytes`` neither None nor an integer >= 0 (bools are
+        refused everywhere).
     """
     mode = FoldedSampling.resolve(mode)
+    sizes = dict(max_batch=max_batch, gamma=gamma, vocab=vocab, logits_itemsize=logits_itemsize)
+    max_batch, gamma, vocab, logits_itemsize = (positive_int(name, value) for name, value in sizes.items())
+    # a NaN or negative headroom would turn AUTO off (or on) without a word
+    noise_itemsize, headroom = _byte_count("noise_itemsize", noise_itemsize), _byte_count("headroom", headroom)
+    free_bytes = _byte_count("free_bytes", free_bytes, optional=True)
+    compiled_bytes = _byte_count("compiled_bytes", compiled_bytes, optional=True)
     closed = closed_form_bytes(
         max_batch=max_batch, gamma=gamma, vocab=vocab, logits_itemsize=logits_itemsize, noise_itemsize=noise_itemsize
     )
     if free_bytes is None and mode is FoldedSampling.AUTO:
         free_bytes = free_device_bytes()
     return _decide(mode, closed, compiled_bytes, free_bytes, headroom)
+
+
+def _byte_count(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """``value`` as an ``int``: a Python or NumPy integer (not a bool) ``>= 0``, or None where
+    ``optional``; raises ``ValueError`` naming ``name`` otherwise."""
+    if optional and value is None:
+        return None
+    if not is_integer(value) or value < 0:
+        allowed = "None or an integer >= 0" if optional else "an integer >= 0"
+        raise ValueError(f"{name}={value!r} is invalid: must be {allowed} (bytes)")
+    return int(value)
 
 
 def _needed(closed: int, compiled: int | None) -> int:

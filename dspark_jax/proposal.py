@@ -31,7 +31,7 @@ from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, context_mask
 from dspark_jax.config import DraftConfig
-from dspark_jax.draft import DSparkDraft
+from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.greedy_kernel import greedy_markov_walk, use_greedy_kernel
 from dspark_jax.markov import MarkovHead, markov_walk
 from dspark_jax.race_kernel import RaceTuning, raced_markov_walk, use_race_kernel
@@ -107,9 +107,9 @@ def check_shapes(
     Raises:
       ValueError: a shape does not match.
       TypeError: ``bonus``, ``prefix_lens``, ``top_k`` or ``slots`` is not of an integer
-        dtype, ``temperatures`` of neither a float nor an integer one, the cache's keys or
-        values not of a floating dtype, ``key`` is not an allowed key, or ``fold_sampling``
-        is not a bool.
+        dtype, ``temperatures`` of neither a float nor an integer one, ``input_embeds`` or the
+        cache's keys or values not of a floating dtype, ``key`` is not an allowed key, or
+        ``fold_sampling`` is not a bool.
     """
     if not isinstance(fold_sampling, (bool, np.bool_)):
         raise TypeError(f"fold_sampling={fold_sampling!r} is invalid: must be True or False")
@@ -137,6 +137,8 @@ def check_shapes(
         want = (batch, cfg.num_query_rows, cfg.hidden_size)
         if tuple(np.shape(input_embeds)) != want:
             raise ValueError(f"input_embeds has shape {tuple(np.shape(input_embeds))}: expected [B, R, H] = {want}")
+        # the backbone would cast integer embeddings silently
+        check_dtypes({"input_embeds": (input_embeds, jnp.floating)})
     # a float token id or length would be truncated silently inside the round
     ints = {"bonus": bonus, "prefix_lens": prefix_lens, "top_k": top_k, "slots": slots}
     check_dtypes({name: (value, jnp.integer) for name, value in ints.items()})
@@ -177,7 +179,7 @@ def validate_proposal_inputs(
       temperatures: ``[B]`` floats, ``>= 0`` (0 = greedy) and finite in float32.
       top_k: ``[B]`` ints in ``[0, TOP_K_MAX]`` (``<= 1`` = greedy, ``TOP_K_ALL`` = no top-k).
       key: one key or per-row keys.
-      input_embeds: optional ``[B, R, H]``.
+      input_embeds: optional ``[B, R, H]`` of a floating dtype, finite.
       slots: optional ``[B]`` cache slot of each row, in ``[0, cache.batch)``; when
         omitted the cache must have exactly ``B`` slots.
       max_batch: the largest batch allowed, if any.
@@ -188,8 +190,11 @@ def validate_proposal_inputs(
 
     Raises:
       ValueError: a value or shape is out of range.
-      TypeError: a dtype or the key type is wrong.
+      TypeError: ``cfg`` is not a :class:`~dspark_jax.config.DraftConfig`, or a dtype or the key
+        type is wrong.
     """
+    if not isinstance(cfg, DraftConfig):
+        raise TypeError(f"cfg must be a DraftConfig, got {type(cfg).__name__}")
     batch = np.shape(bonus)[0] if np.ndim(bonus) == 1 else None
     if max_batch is not None and batch is not None and batch > max_batch:
         raise ValueError(f"batch size B={batch} (len(bonus)) is too large: must be <= max_batch={max_batch}")
@@ -234,6 +239,16 @@ def validate_proposal_inputs(
     if slots is not None:
         slots = np.asarray(slots)
         _check_range("slots", slots, 0, cache.batch - 1, f"cache slot ids in [0, {cache.batch})")
+    if input_embeds is not None:
+        # a NaN embedding drafts token 0 in every slot, without a word
+        with np.errstate(over="ignore"):
+            embeds = np.asarray(input_embeds, np.float32)
+        finite = np.isfinite(embeds)
+        if not finite.all():
+            i = np.unravel_index(int(np.argmin(finite)), finite.shape)
+            raise ValueError(
+                f"input_embeds[{', '.join(map(str, i))}]={float(embeds[i])!r} is invalid: must be finite in float32"
+            )
     return batch
 
 
@@ -675,8 +690,10 @@ def propose_eager(
       The :class:`DraftBlock`.
 
     Raises:
+      TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`.
       ValueError, TypeError: a value, shape or dtype is wrong (:func:`validate_proposal_inputs`).
     """
+    check_draft(draft)
     validate_proposal_inputs(
         draft.cfg,
         cache,

@@ -62,8 +62,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.cache import ContextCache, resolve_cache_dtype
-from dspark_jax.config import positive_int
-from dspark_jax.draft import DSparkDraft
+from dspark_jax.config import check_flag, positive_int
+from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.memory_gate import (
     ENV_VAR,
@@ -337,11 +337,15 @@ class Proposer:
             that is set at the first compile; False keeps none.
 
         Raises:
-          ValueError: bad ``max_batch``, ``capacity`` or ``num_slots``.
-          TypeError: ``executable_store`` is not a path, None or False, ``cache_dtype`` is
-            not a floating dtype, or ``unpad`` / ``twin_programs`` not a bool (a string such
-            as "no" would be true).
+          ValueError: bad ``max_batch``, ``capacity`` or ``num_slots``, an unknown
+            ``folded_sampling``, a ``free_bytes`` neither None nor an integer >= 0, or a
+            ``headroom`` not an integer >= 0 (:func:`~dspark_jax.memory_gate.plan_folded_sampling`).
+          TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`,
+            ``executable_store`` not a path, None or False, ``cache_dtype`` not a floating
+            dtype, or ``unpad`` / ``twin_programs`` not a bool (a string such as "no" would be
+            true).
         """
+        check_draft(draft)
         if executable_store is True or not (
             executable_store is None or executable_store is False or isinstance(executable_store, str | os.PathLike)
         ):
@@ -349,10 +353,8 @@ class Proposer:
                 f"executable_store={executable_store!r} is invalid: must be a directory path, None (follow jax's "
                 "compilation cache directory) or False (none)"
             )
-        if not isinstance(unpad, bool):
-            raise TypeError(f"unpad={unpad!r} is invalid: must be True or False")
-        if not (twin_programs is None or isinstance(twin_programs, bool)):
-            raise TypeError(f"twin_programs={twin_programs!r} is invalid: must be True, False or None")
+        check_flag("unpad", unpad)
+        check_flag("twin_programs", twin_programs, none_allowed=True)
         self._store_directory = executable_store
         self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else twin_programs
         self.cfg = draft.cfg
@@ -600,9 +602,14 @@ class Proposer:
 
         Returns:
           The gate decision (also ``self.gate``).
+
+        Raises:
+          ValueError: ``workers`` is neither None nor an integer >= 1.
         """
         if workers is None:
             workers = 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
+        else:
+            workers = positive_int("workers", workers)
         order = sorted(self.buckets, reverse=True)
         top = order[0]
         # The gate compares the larger estimate, so XLA's can only matter when the closed form fits.

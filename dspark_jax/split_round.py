@@ -51,7 +51,8 @@ from flax import nnx
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 from dspark_jax.cache import ContextCache
-from dspark_jax.draft import DSparkDraft
+from dspark_jax.config import check_flag
+from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.kernel_choice import env_choice
 from dspark_jax.proposal import DraftBlock, backbone_stage, check_shapes, head_stage
 
@@ -233,8 +234,16 @@ class SplitRound:
             the weights together on every call (0.13 ms per round at batch 128 on the H200).
             Costs the fused arrays' memory (252 MB for the 8B draft) while the draft's own
             kernels stay alive.
+
+        Raises:
+          TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`, ``twin_programs``
+            not a bool or None, or ``fuse_qkv`` not a bool (a string such as "no" would be true).
+          ValueError: bad ``piece_layers`` (:func:`layer_ranges`).
         """
-        self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else bool(twin_programs)
+        check_draft(draft)
+        check_flag("twin_programs", twin_programs, none_allowed=True)
+        check_flag("fuse_qkv", fuse_qkv)
+        self.twin_programs = jax.default_backend() == "gpu" if twin_programs is None else twin_programs
         # input signature -> the backbone pieces; (signature, fold_sampling) -> the head
         self._pieces: dict[Any, tuple[tuple[Alternating, list[jax.Array]], ...]] = {}
         self._heads: dict[Any, tuple[Alternating, list[jax.Array]]] = {}

@@ -83,6 +83,11 @@ def test_init_context_cache_refuses_a_non_floating_dtype(dtype, message):
         init_context_cache(tiny_config(), batch=2, capacity=6, dtype=dtype)
 
 
+def test_init_context_cache_refuses_a_config_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"cfg must be a DraftConfig, got NoneType"):
+        init_context_cache(None, batch=2, capacity=6)
+
+
 KV = (2, 2, 3, 2, 8)  # [L, B, N, KVH, D] for tiny_config() and a 2-slot cache
 
 
@@ -120,3 +125,10 @@ def test_write_context_refuses_float_and_bool_rows_while_tracing(start, count, m
     cache = init_context_cache(tiny_config(), batch=2, capacity=6)
     with pytest.raises(TypeError, match=rf"{message}: expected an integer dtype"):
         jax.jit(write_context)(cache, jnp.ones(KV), jnp.ones(KV), jnp.asarray(start), jnp.asarray(count))
+
+
+def test_write_context_refuses_a_cache_of_the_wrong_type():
+    cache = init_context_cache(tiny_config(), batch=2, capacity=6)
+    rows = (jnp.zeros(2, jnp.int32), jnp.full(2, 3))
+    with pytest.raises(TypeError, match=r"cache has type dict: expected a ContextCache"):
+        write_context({"k": cache.k, "v": cache.v}, jnp.ones(KV), jnp.ones(KV), *rows)

@@ -137,3 +137,34 @@ def test_commit_refuses_an_active_mask_that_is_not_bool_while_tracing():
     zeros = jnp.zeros(B, jnp.int32)
     with pytest.raises(TypeError, match=r"active has dtype int32: expected bool"):
         jax.jit(commit)(draft, _random_cache(1), jnp.zeros((B, T, F)), zeros, zeros, active=jnp.array([2, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("write", ["commit", "prefill", "fill_context"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_cache_writes_refuse_features_that_are_not_floating_while_tracing(write, dtype):
+    """The draft projects the features: int or bool ones were cast without a word."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    fn, rows = {"commit": (commit, 2), "prefill": (prefill, 1), "fill_context": (fill_context, 2)}[write]
+    features = jnp.ones((B, T, F), dtype)
+    with pytest.raises(TypeError, match=rf"features has dtype {jnp.dtype(dtype)}: expected a floating dtype"):
+        jax.jit(fn)(draft, _random_cache(1), features, *[jnp.zeros(B, jnp.int32)] * rows)
+
+
+def test_commit_refuses_string_features_by_name():
+    """A str array failed inside NumPy, naming nothing."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    zeros = np.zeros(B, np.int32)
+    with pytest.raises(TypeError, match=r"features has dtype <U1: expected a floating dtype"):
+        commit(draft, _random_cache(1), np.full((B, T, F), "a"), zeros, zeros)
+
+
+def test_cache_writes_refuse_a_draft_or_cache_of_the_wrong_type():
+    """A dict in place of the cache, or the config in place of the draft, failed on a missing attribute."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    cache, features, zeros = _random_cache(1), jnp.zeros((B, T, F)), jnp.zeros(B, jnp.int32)
+    with pytest.raises(TypeError, match=r"cache has type dict: expected a ContextCache"):
+        jax.jit(commit)(draft, {"k": cache.k, "v": cache.v}, features, zeros, zeros)
+    with pytest.raises(TypeError, match=r"draft must be a DSparkDraft, got DraftConfig"):
+        prefill(CFG, cache, features, zeros)
+    with pytest.raises(TypeError, match=r"draft must be a DSparkDraft, got NoneType"):
+        fill_context(None, cache, features, zeros, zeros)

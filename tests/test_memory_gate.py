@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dspark_jax.memory_gate import (
@@ -58,6 +59,36 @@ def test_bad_argument_names_the_argument(monkeypatch):
         FoldedSampling.resolve("on")
     with pytest.raises(ValueError, match=r"folded_sampling=1 is invalid"):
         FoldedSampling.resolve(1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(max_batch=0), r"max_batch=0 is invalid: must be an integer >= 1"),
+        (dict(gamma=-1), r"gamma=-1 is invalid: must be an integer >= 1"),
+        (dict(vocab=1.5), r"vocab=1.5 is invalid: must be an integer >= 1"),
+        (dict(max_batch=True), r"max_batch=True is invalid"),
+        (dict(logits_itemsize=0), r"logits_itemsize=0 is invalid: must be an integer >= 1"),
+        (dict(noise_itemsize=-4), r"noise_itemsize=-4 is invalid: must be an integer >= 0 \(bytes\)"),
+        (dict(free_bytes=-1), r"free_bytes=-1 is invalid: must be None or an integer >= 0 \(bytes\)"),
+        (dict(free_bytes="x"), r"free_bytes='x' is invalid"),
+        (dict(compiled_bytes=2.5), r"compiled_bytes=2.5 is invalid: must be None or an integer >= 0"),
+        (dict(headroom=-5), r"headroom=-5 is invalid: must be an integer >= 0 \(bytes\)"),
+        # NaN compared false with everything: AUTO turned folded sampling off without a word
+        (dict(headroom=float("nan")), r"headroom=nan is invalid"),
+        (dict(headroom=None), r"headroom=None is invalid"),
+    ],
+)
+def test_bad_sizes_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        plan_folded_sampling("auto", **{**SHAPE, "free_bytes": NEEDED + GIB, **change})
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+    decision = plan_folded_sampling(
+        "auto", max_batch=np.int64(16), gamma=np.int32(7), vocab=np.uint32(1000), free_bytes=np.int64(NEEDED + GIB)
+    )
+    assert decision.enabled and decision.closed_form_bytes == NEEDED and type(decision.free_bytes) is int
 
 
 def test_off_never_folds_sampling():

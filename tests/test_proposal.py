@@ -272,6 +272,17 @@ BAD_INPUTS = {
     "key-int": (dict(key=0), TypeError, r"key=0 has type int"),
     "key-float": (dict(key=np.zeros(2, np.float32)), TypeError, r"key has dtype float32"),
     "key-batch": (dict(key=jax.random.split(jax.random.key(0), 3)), TypeError, r"key has shape \(3,\) for batch 4"),
+    # integer embeddings were cast silently; a NaN one drafted token 0 in every slot
+    "input-embeds-int": (
+        dict(input_embeds=np.zeros((B, 4, 32), np.int32)),
+        TypeError,
+        r"input_embeds has dtype int32: expected a floating dtype",
+    ),
+    "input-embeds-nan": (
+        dict(input_embeds=np.where(np.arange(B * 4 * 32).reshape(B, 4, 32) == 3 * 128 + 37, np.nan, 0.0)),
+        ValueError,
+        r"input_embeds\[3, 1, 5\]=nan is invalid: must be finite in float32",
+    ),
 }
 
 
@@ -335,6 +346,27 @@ def test_input_embeds_of_wrong_shape_are_rejected(small_round):
     draft, cache, good = small_round
     with pytest.raises(ValueError, match=r"input_embeds has shape \(4, 3, 32\): expected \[B, R, H\]"):
         validate_proposal_inputs(draft.cfg, cache, **good, input_embeds=np.zeros((4, 3, 32), np.float32))
+
+
+def test_jitted_propose_refuses_integer_input_embeds_while_tracing(small_round):
+    draft, cache, good = small_round
+    graphdef, state = nnx.split(draft)
+    names = ("bonus", "prefix_lens", "temperatures", "top_k", "key")
+    embeds = jnp.zeros((B, draft.cfg.num_query_rows, draft.cfg.hidden_size), jnp.int32)
+    with pytest.raises(TypeError, match=r"input_embeds has dtype int32: expected a floating dtype"):
+        _propose(graphdef, state, cache, *(good[n] for n in names), input_embeds=embeds)
+
+
+def test_objects_of_the_wrong_type_are_refused_by_name(small_round):
+    """A None or a config in place of the draft failed on a missing attribute."""
+    draft, cache, good = small_round
+    with CompileCounter() as counter:
+        for wrong, name in ((None, "NoneType"), (draft.cfg, "DraftConfig")):
+            with pytest.raises(TypeError, match=rf"draft must be a DSparkDraft, got {name}"):
+                propose_eager(wrong, cache, **good)
+        with pytest.raises(TypeError, match=r"cfg must be a DraftConfig, got DSparkDraft"):
+            validate_proposal_inputs(draft, cache, **good)
+    assert counter.count == 0 and counter.lowerings == 0
 
 
 @pytest.mark.parametrize("jitted", [False, True])

@@ -616,6 +616,42 @@ def test_flags_that_are_not_bools_are_refused_at_construction():
             Proposer(draft, max_batch=2, capacity=CAPACITY, executable_store=False, **flags)
 
 
+@pytest.mark.parametrize(
+    ("gate", "message"),
+    [
+        (dict(free_bytes=-1), r"free_bytes=-1 is invalid: must be None or an integer >= 0 \(bytes\)"),
+        (dict(free_bytes="x"), r"free_bytes='x' is invalid"),
+        (dict(free_bytes=1.5), r"free_bytes=1.5 is invalid"),
+        (dict(free_bytes=True), r"free_bytes=True is invalid"),
+        (dict(headroom=-5), r"headroom=-5 is invalid: must be an integer >= 0 \(bytes\)"),
+        # a NaN headroom turned folded sampling off without a word
+        (dict(headroom=float("nan")), r"headroom=nan is invalid"),
+        (dict(headroom=None), r"headroom=None is invalid"),
+    ],
+)
+def test_bad_gate_sizes_are_refused_at_construction(gate, message):
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    with pytest.raises(ValueError, match=message):
+        Proposer(draft, max_batch=2, capacity=CAPACITY, folded_sampling="auto", executable_store=False, **gate)
+
+
+def test_a_draft_of_the_wrong_type_is_refused_at_construction():
+    """None or the draft's config in place of the draft failed on a missing attribute."""
+    cfg = tiny_config(**CFG)
+    for wrong, name in ((None, "NoneType"), (cfg, "DraftConfig")):
+        with pytest.raises(TypeError, match=rf"draft must be a DSparkDraft, got {name}"):
+            Proposer(wrong, max_batch=2, capacity=CAPACITY, executable_store=False)
+
+
+@pytest.mark.parametrize("workers", [0, -1, "2", 1.5, True])
+def test_bad_precompile_workers_are_refused_before_any_compilation(workers):
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    proposer = Proposer(draft, max_batch=1, capacity=CAPACITY, folded_sampling="off", executable_store=False)
+    with CompileCounter() as counter, pytest.raises(ValueError, match=rf"workers={workers!r} is invalid"):
+        proposer.precompile(workers=workers)
+    assert counter.count == 0 and counter.lowerings == 0
+
+
 def test_a_call_without_slots_and_more_rows_than_slots_says_rows_use_the_first_slots():
     """Rows without ``slots`` draft slots 0..B−1: with 2 slots, 3 rows must name the slots."""
     draft = random_draft(tiny_config(**CFG), seed=0)

@@ -237,3 +237,16 @@ def test_bad_shapes_and_ranges_are_rejected(three_layers):
         ValueError, match=r"layer range start=2, stop=4 is invalid: must satisfy 0 <= start <= stop <= 3"
     ):
         backbone_stage(draft, x, cache, inputs["bonus"], inputs["prefix_lens"], start=2, stop=4)
+
+
+def test_a_draft_or_flags_of_the_wrong_type_are_refused_at_construction(three_layers):
+    """``twin_programs="no"`` was true (the Proposer refused it); None in place of the draft
+    failed on a missing attribute."""
+    draft = three_layers[0]
+    with pytest.raises(TypeError, match=r"draft must be a DSparkDraft, got NoneType"):
+        SplitRound(None)
+    with pytest.raises(TypeError, match=r"twin_programs='no' is invalid: must be True, False or None"):
+        SplitRound(draft, twin_programs="no")
+    for fuse in ("no", None, 1):
+        with pytest.raises(TypeError, match=rf"fuse_qkv={fuse!r} is invalid: must be True or False"):
+            SplitRound(draft, fuse_qkv=fuse)
