@@ -87,6 +87,7 @@ _EXPORTS = {
     "generate": "dspark_jax.generation",
     "speculative_generate": "dspark_jax.generation",
     "GenerationResult": "dspark_jax.generation",
+    "verify_widths": "dspark_jax.generation",
     # tokenizer, corpus, training, evaluation, bundled pair (issue 5)
     "Tokenizer": "dspark_jax.tokenizer",
     "train_bpe": "dspark_jax.tokenizer",

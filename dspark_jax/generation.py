@@ -39,12 +39,12 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
-from dspark_jax.config import is_integer, is_real
-from dspark_jax.draft import DSparkDraft
+from dspark_jax.config import check_flag, is_integer, is_real
+from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
-from dspark_jax.verification import accept, required_filter_width, sample_tokens
+from dspark_jax.verification import accept, required_filter_width, sample_tokens, schedule_verify_lengths
 
 MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # a larger temperature reaches the round as inf
 
@@ -64,6 +64,9 @@ class GenerationResult:
         that accepted draft ``d_k`` (so it never increases with ``k``); empty for
         :func:`generate`.
       accept_length_counts: ``[γ + 1]`` request-rounds with ``correct_len = 0 … γ``.
+      verified_tokens: tokens the target verified over all request-rounds, anchors
+        included: ``γ + 1`` per request-round, fewer with ``verify_schedule``; the
+        decode steps for :func:`generate`.
       seconds: wall time of the call, compilation included.
     """
 
@@ -73,18 +76,21 @@ class GenerationResult:
     tau_overall: float
     acceptance_by_position: list[float]
     accept_length_counts: list[int]
+    verified_tokens: int
     seconds: float
 
 
 @struct.dataclass
 class Requests:
-    """Per-request sampling parameters, ``[B]`` each (``stop`` is ``[B, S]``, −1 padded)."""
+    """Per-request sampling parameters, ``[B]`` each (``stop`` is ``[B, S]``, −1 padded), and
+    the batch's ``[N]`` steps-per-second table when verification is confidence-scheduled."""
 
     temperatures: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     max_new: jax.Array
     stop: jax.Array
+    verify_schedule: jax.Array | None = None
 
 
 @struct.dataclass
@@ -101,6 +107,7 @@ class DecodeState:
     key: jax.Array
     rounds: jax.Array  # [B] rounds each request took part in
     accept_counts: jax.Array  # [B, γ + 1] histogram of correct_len
+    verified: jax.Array  # [B] tokens the target verified for each request (anchors included)
 
 
 # ------------------------------------------------------------------ validation
@@ -122,8 +129,7 @@ def _invalid(field: str, value: Any, allowed: str, *, right_kind: bool) -> Excep
 def _check_flag(name: str, value: Any) -> bool:
     """A boolean flag (Python, NumPy or JAX bool) as a Python bool; anything else is refused."""
     value = _scalar(value)
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} is invalid: must be True or False")
+    check_flag(name, value)
     return value
 
 
@@ -297,8 +303,45 @@ def _check_models(target: Any, *draft: Any) -> None:
         raise TypeError(
             f"target must be an NNX module with config and init_cache (dspark_jax.Target), got {type(target).__name__}"
         )
-    if draft and not isinstance(draft[0], DSparkDraft):
-        raise TypeError(f"draft must be a DSparkDraft, got {type(draft[0]).__name__}")
+    if draft:
+        check_draft(draft[0])
+
+
+def _check_schedule(table: Any, cfg, batch: int) -> jax.Array:
+    """The ``verify_schedule`` table as a float32 device array, checked on the host.
+
+    Raises:
+      TypeError: ``table`` is not a 1-D array of real numbers.
+      ValueError: too short, a value negative or not finite, all zeros, or a draft
+        without a confidence head.
+    """
+    if not cfg.enable_confidence_head:
+        raise ValueError(
+            "verify_schedule needs a draft with a confidence head (enable_confidence_head=True): "
+            "the schedule ranks drafts by their confidence"
+        )
+    values = np.asarray(table)
+    if values.dtype == bool or not (
+        np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
+    ):
+        raise TypeError(f"verify_schedule has dtype {values.dtype}: expected real numbers (steps per second)")
+    need = batch * (cfg.gamma + 1) + 1
+    if values.ndim != 1 or values.shape[0] < need:
+        raise ValueError(
+            f"verify_schedule has shape {values.shape}: expected [N] with N >= B·(γ + 1) + 1 = {need} "
+            "(steps per second indexed by tokens verified per step, 0 … B·(γ + 1))"
+        )
+    with np.errstate(over="ignore"):  # a value past float32's range is reported below
+        as_f32 = values.astype(np.float32)
+    bad = ~(np.isfinite(as_f32) & (as_f32 >= 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"verify_schedule[{i}]={values[i]} is invalid: must be >= 0 and finite in float32 (steps per second)"
+        )
+    if not as_f32.any():
+        raise ValueError("verify_schedule is all zeros: expected measured steps per second")
+    return jnp.asarray(as_f32)
 
 
 def _check_key(key: Any, batch: int) -> None:
@@ -425,6 +468,7 @@ def _start(
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
         accept_counts=jnp.zeros((b, gamma + 1), jnp.int32),
+        verified=jnp.zeros((b,), jnp.int32),
     )
 
 
@@ -454,12 +498,27 @@ def _round_step(
     b, gamma = block.draft_tokens.shape
     tokens = jnp.concatenate([state.bonus[:, None], block.draft_tokens], axis=1)  # [B, T]
     positions = state.prefix_lens[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B, T]
-    valid = jnp.broadcast_to(active[:, None], tokens.shape)
-    logits, features, target_cache = target(
-        tokens, positions, state.target_cache, valid=valid, feature_layers=feature_layers
-    )
+    if requests.verify_schedule is None:
+        verify_len = None
+        valid = jnp.broadcast_to(active[:, None], tokens.shape)
+        logits, features, target_cache = target(
+            tokens, positions, state.target_cache, valid=valid, feature_layers=feature_layers
+        )
+    else:
+        # Finished rows carry no survival, so they take no share of the budget.
+        confidence = jnp.where(active[:, None], block.confidence, 0.0)  # [B, γ]
+        verify_len = schedule_verify_lengths(confidence, requests.verify_schedule)  # [B] in [1, T]
+        logits, features, target_cache = _verify_scheduled(
+            target, tokens, positions, state.target_cache, active, verify_len, feature_layers
+        )
     correct_len, bonus = accept(
-        logits, block, top_k=requests.top_k, top_p=requests.top_p, key=k_accept, filter_width=filter_width
+        logits,
+        block,
+        top_k=requests.top_k,
+        top_p=requests.top_p,
+        verify_len=verify_len,
+        key=k_accept,
+        filter_width=filter_width,
     )
     context, prefix_lens = commit(draft, state.context, features, state.prefix_lens, correct_len, active=active)
     # This round's tokens: the accepted drafts, then the bonus at index correct_len.
@@ -481,7 +540,41 @@ def _round_step(
         key=key,
         rounds=state.rounds + active.astype(jnp.int32),
         accept_counts=state.accept_counts + hit.astype(jnp.int32),
+        verified=state.verified + jnp.where(active, gamma + 1 if verify_len is None else verify_len, 0),
     )
+
+
+def verify_widths(tokens: int) -> tuple[int, ...]:
+    """The target widths a scheduled round compiles: ``1, 2, 4, …`` below ``tokens``, then
+    ``tokens`` (= γ + 1); a round runs the narrowest that holds its longest verify length."""
+    return (*(1 << i for i in range(max(tokens - 1, 0).bit_length()) if 1 << i < tokens), tokens)
+
+
+def _verify_scheduled(target, tokens, positions, cache, active, verify_len, feature_layers):
+    """The target over each row's first ``verify_len`` tokens of ``tokens [B, T]`` (traced).
+
+    One ``lax.switch`` branch per width of :func:`verify_widths`: only the narrowest
+    holding every active row's ``verify_len`` runs, and slots past a row's ``verify_len``
+    are neither cached nor seen. Logits and features come back ``[B, T, ·]``, zero past
+    the width (``accept`` never reads them: ``correct_len < verify_len``).
+    """
+    t = tokens.shape[1]
+    widths = verify_widths(t)
+    valid = active[:, None] & (jnp.arange(t, dtype=jnp.int32)[None, :] < verify_len[:, None])  # [B, T]
+    longest = jnp.max(jnp.where(active, verify_len, 1))
+    branch = jnp.searchsorted(jnp.asarray(widths, jnp.int32), longest)  # narrowest width >= longest
+
+    def width(w):
+        def run(cache):
+            logits, features, cache = target(
+                tokens[:, :w], positions[:, :w], cache, valid=valid[:, :w], feature_layers=feature_layers
+            )
+            pad = ((0, 0), (0, t - w), (0, 0))
+            return jnp.pad(logits, pad), jnp.pad(features, pad), cache
+
+        return run
+
+    return jax.lax.switch(branch, [width(w) for w in widths], cache)
 
 
 def _round(
@@ -570,6 +663,7 @@ def speculative_generate(
     key: jax.Array,
     capacity: int | None = None,
     device_loop: bool = False,
+    verify_schedule: Any = None,
 ) -> GenerationResult:
     """Generates with the draft proposing and the target verifying; output is the target's.
 
@@ -593,6 +687,16 @@ def speculative_generate(
         rounded up.
       device_loop: run all rounds inside one compiled ``while_loop`` (no host sync per
         round) instead of one compiled call per round from a Python loop. Same tokens.
+      verify_schedule: ``None`` (the target verifies all γ + 1 tokens of every round) or
+        confidence-scheduled verification (``DSPARK_SPEC.md`` §5): a ``[N]`` table, ``N >
+        B·(γ + 1)``, of the target's measured verify steps per second when the batch
+        verifies ``t`` tokens in total (index ``t``, anchors included; finite, >= 0, not
+        all 0). Each round, :func:`~dspark_jax.verification.schedule_verify_lengths`
+        turns the draft's confidence into per-request verify lengths, the target runs at
+        the narrowest width of :func:`verify_widths` holding the longest, and each
+        request's slots past its length are neither computed into its accept nor cached.
+        Needs a draft with a confidence head. Still lossless: greedy output equals
+        plain greedy decoding, sampled output keeps the target's law.
 
     Returns:
       A :class:`GenerationResult`.
@@ -619,6 +723,8 @@ def speculative_generate(
     )
     _check_key(key, len(prompts))
     device_loop = _check_flag("device_loop", device_loop)
+    if verify_schedule is not None:
+        requests = requests.replace(verify_schedule=_check_schedule(verify_schedule, draft.cfg, len(prompts)))
     max_new = np.asarray(requests.max_new)
     limits = dict(
         target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings
@@ -682,6 +788,7 @@ def _result(state: DecodeState, max_new, requests: Requests, rounds: int, starte
         tau_overall=float(committed.sum() / n) if n else float("nan"),
         acceptance_by_position=[float(total[k:].sum() / max(n, 1)) for k in range(1, gamma + 1)],
         accept_length_counts=total.tolist(),
+        verified_tokens=int(np.asarray(state.verified).sum()),
         seconds=time.perf_counter() - started,
     )
 
@@ -829,5 +936,6 @@ def generate(
         tau_overall=1.0,
         acceptance_by_position=[],
         accept_length_counts=[],
+        verified_tokens=int(np.asarray(state.n_out).sum()) - len(tokens),  # one per request-step
         seconds=time.perf_counter() - started,
     )

@@ -14,7 +14,7 @@ from flax import nnx
 
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.generation import generate, speculative_generate
+from dspark_jax.generation import _verify_scheduled, generate, speculative_generate, verify_widths
 from dspark_jax.target import Qwen3Target
 
 V = 24
@@ -143,6 +143,76 @@ def test_speculative_greedy_equals_plain_greedy(greedy_setup, case):
         assert counts[2:].sum() > 0  # and rounds accepting >= 2 drafts
 
 
+@pytest.mark.parametrize(
+    ("cost", "verified"),
+    [(0.0, "all"), (0.02, "some"), (0.3, "anchor")],
+    ids=["flat-table", "falling-table", "steep-table"],
+)
+def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_pays_for(greedy_setup, cost, verified):
+    """``verify_schedule`` (DSPARK_SPEC §5): greedy output still equals plain greedy, host
+    loop and device loop agree, and the target verifies all γ + 1 tokens when steps cost
+    nothing more per token, the anchor alone when they cost much, something between else."""
+    target, bigram, prompts, max_new, plain = greedy_setup
+    rows = _case_batches(2)[0]  # γ = 4, batch 8
+    draft = _rigged_draft(
+        target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0, enable_confidence_head=True
+    )
+    table = 1.0 / (1.0 + cost * np.arange(8 * 5 + 1, dtype=np.float32))
+    run = functools.partial(
+        speculative_generate,
+        target,
+        draft,
+        prompts[rows],
+        max_new_tokens=max_new[rows].tolist(),
+        key=jax.random.key(1),
+        capacity=CAPACITY,
+        verify_schedule=table,
+    )
+    host, device = run(), run(device_loop=True)
+    assert host.tokens == plain[rows] and device.tokens == plain[rows]
+    assert host.verified_tokens == device.verified_tokens and host.rounds == device.rounds
+    request_rounds = sum(host.accept_length_counts)
+    full = {"all": 5 * request_rounds, "anchor": request_rounds}
+    if verified in full:
+        assert host.verified_tokens == full[verified]
+    else:
+        assert request_rounds < host.verified_tokens < 5 * request_rounds
+    if verified == "anchor":  # each round commits the target's own token only
+        assert host.accept_length_counts[1:] == [0] * 4
+
+
+def test_scheduled_verify_runs_the_narrowest_width_and_caches_only_verified_slots():
+    target, _ = _bigram_target(V, context_scale=1.0)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, V, size=(3, 5)), jnp.int32)  # [B, T], T = γ + 1 = 5
+    positions = jnp.asarray(np.arange(5)[None, :] + np.array([[0], [3], [6]]), jnp.int32)
+    active = jnp.asarray([True, True, False])
+    verify_len = jnp.asarray([3, 1, 5], jnp.int32)  # the longest active row verifies 3: width 4
+    cache = target.init_cache(3, 16)
+    feature_layers = (0, 1)
+
+    @jax.jit
+    def both(cache):
+        scheduled = _verify_scheduled(target, tokens, positions, cache, active, verify_len, feature_layers)
+        full = target(tokens, positions, cache, valid=jnp.ones((3, 5), bool), feature_layers=feature_layers)
+        return scheduled, full
+
+    (logits, features, new_cache), (full_logits, full_features, full_cache) = both(cache)
+    assert verify_widths(5) == (1, 2, 4, 5)
+    np.testing.assert_array_equal(np.asarray(logits)[:, 4:], 0)  # past the width run: zeros
+    assert np.abs(np.asarray(logits)[:, 3]).max() > 0  # width 4 ran, not 3 (a width it lacks)
+    for b, n in ((0, 3), (1, 1)):  # verified slots match the full verify (causal: later slots unseen)
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], np.asarray(full_logits)[b, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(features)[b, :n], np.asarray(full_features)[b, :n], rtol=1e-5, atol=1e-5)
+    k, full_k = np.asarray(new_cache.k), np.asarray(full_cache.k)  # [L, B, C, KVH, D]
+    written = np.abs(k).sum(axis=(0, 3, 4)) > 0  # [B, C]
+    want = np.zeros((3, 16), bool)
+    want[0, 0:3] = True  # row 0: positions 0, 1, 2
+    want[1, 3] = True  # row 1: its anchor only; row 2 (finished): nothing
+    np.testing.assert_array_equal(written, want)
+    np.testing.assert_allclose(k[:, 0, 0:3], full_k[:, 0, 0:3], rtol=1e-5, atol=1e-5)
+
+
 def test_early_stopping_request_leaves_the_others_unchanged(greedy_setup):
     target, bigram, prompts, _, _ = greedy_setup
     draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
@@ -229,9 +299,13 @@ def _tv_tolerance(want: np.ndarray, n: int) -> float:
     return 0.5 * np.sqrt(want * (1 - want) / n).sum() + np.sqrt(8 / (2 * n))
 
 
-def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch():
+@pytest.mark.parametrize("scheduled", [False, True], ids=["full", "scheduled"])
+def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch(scheduled):
+    """The joint law of the first three tokens; ``scheduled`` verifies each request's
+    confidence-scheduled prefix of the block only (``verify_schedule``), which must keep it."""
     target, bigram = _bigram_target(SV, context_scale=20.0, seed=3)
-    draft = _rigged_draft(target, bigram, gamma=2, sample_from_anchor=True, keep=0.5, strength=2.0, seed=4)
+    fields = dict(enable_confidence_head=True) if scheduled else {}
+    draft = _rigged_draft(target, bigram, gamma=2, sample_from_anchor=True, keep=0.5, strength=2.0, seed=4, **fields)
     groups = [  # (rows, temperature, top_k, top_p)
         (20_000, 2.0, 4, 0.95),
         (6_000, 0.8, None, 1.0),
@@ -243,6 +317,10 @@ def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch():
         ks += [k] * n
         ps += [p] * n
     order = np.random.default_rng(0).permutation(len(temps))  # interleave the groups
+    batch = len(temps)
+    # Steps per second fall by 0.3 of a step per token per batch row: drafts are verified
+    # only where their survival is high enough (here: most rows verify 2 tokens, some 3).
+    schedule = 1.0 / (1.0 + 0.3 * np.arange(batch * 3 + 1) / batch) if scheduled else None
     result = speculative_generate(
         target,
         draft,
@@ -253,11 +331,17 @@ def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch():
         top_p=[ps[i] for i in order],
         key=jax.random.key(11),
         capacity=16,
+        verify_schedule=schedule,
     )
     out = np.empty((len(temps), 3), np.int64)
     out[order] = np.asarray(result.tokens)
     counts = np.asarray(result.accept_length_counts)
     assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0  # rejections and full acceptances
+    request_rounds = int(counts.sum())
+    if scheduled:  # most rounds verified fewer than all γ + 1 = 3 tokens, some more than the anchor
+        assert request_rounds < result.verified_tokens < 2.5 * request_rounds, (result.verified_tokens, request_rounds)
+    else:
+        assert result.verified_tokens == 3 * request_rounds
     start = 0
     for n, t, k, p in groups:
         rows = out[start : start + n]
@@ -340,6 +424,46 @@ def test_plain_generate_refuses_bad_input(small_pair, kwargs, error, message):
     args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=5, key=jax.random.key(0)) | kwargs
     with pytest.raises(error, match=message):
         generate(target, **args)
+
+
+@pytest.mark.parametrize(
+    "table, error, message",
+    [
+        (
+            np.ones(8 * 4),
+            ValueError,
+            r"verify_schedule has shape \(32,\): expected \[N\] with N >= B·\(γ \+ 1\) \+ 1 = 9",
+        ),
+        (np.ones((2, 9)), ValueError, r"verify_schedule has shape \(2, 9\)"),
+        (np.r_[np.ones(5), -1.0, np.ones(5)], ValueError, r"verify_schedule\[5\]=-1.0 is invalid: must be >= 0"),
+        (np.r_[np.ones(5), np.nan, np.ones(5)], ValueError, r"verify_schedule\[5\]=nan is invalid"),
+        (
+            np.r_[np.ones(5), 1e39, np.ones(5)],
+            ValueError,
+            r"verify_schedule\[5\]=1e\+39 is invalid: .* finite in float32",
+        ),
+        (np.zeros(9), ValueError, "verify_schedule is all zeros"),
+        (np.ones(9, bool), TypeError, "verify_schedule has dtype bool: expected real numbers"),
+        (np.array(["1"] * 9), TypeError, "verify_schedule has dtype <U1"),
+    ],
+)
+def test_bad_verify_schedules_are_refused_by_name(table, error, message):
+    target, bigram = _bigram_target(V, context_scale=1.0)
+    draft = _rigged_draft(
+        target, bigram, gamma=3, sample_from_anchor=True, keep=0.5, strength=5.0, enable_confidence_head=True
+    )
+    args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=5, key=jax.random.key(0))
+    if table.ndim == 1 and table.size == 32:
+        args["prompts"] = [[1]] * 8  # B·(γ + 1) + 1 = 33 > 32
+        message = message.replace("= 9", "= 33")
+    with pytest.raises(error, match=message):
+        speculative_generate(target, draft, verify_schedule=table, **args)
+
+
+def test_a_verify_schedule_needs_a_confidence_head(small_pair):
+    target, draft = small_pair
+    with pytest.raises(ValueError, match=r"verify_schedule needs a draft with a confidence head"):
+        speculative_generate(target, draft, [[1]], max_new_tokens=2, key=jax.random.key(0), verify_schedule=np.ones(9))
 
 
 def test_models_of_the_wrong_kind_are_type_errors_naming_the_argument(small_pair):
