@@ -353,6 +353,9 @@ class Proposer:
                 f"executable_store={executable_store!r} is invalid: must be a directory path, None (follow jax's "
                 "compilation cache directory) or False (none)"
             )
+        # A file where the store should be is named here, not at the first precompile.
+        if isinstance(executable_store, str | os.PathLike) and os.path.isfile(executable_store):
+            raise ValueError(f"executable_store={os.fspath(executable_store)!r} is invalid: it is not a directory")
         check_flag("unpad", unpad)
         check_flag("twin_programs", twin_programs, none_allowed=True)
         self._store_directory = executable_store

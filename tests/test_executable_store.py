@@ -172,3 +172,6 @@ def test_store_directory_must_be_a_directory(tmp_path):
     path.write_text("x")
     with pytest.raises(ValueError, match=r"directory=.*file' is not a directory"):
         ExecutableStore(path)
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    with pytest.raises(ValueError, match=r"executable_store=.*file' is invalid: it is not a directory"):
+        Proposer(draft, max_batch=2, capacity=CAPACITY, executable_store=path)
