@@ -18,6 +18,11 @@ Each batch compiles one variant of these calls, chosen on the host from its requ
 top-p (no vocabulary sort); or sampling with top-k / top-p over a static number of ranks
 (the power of two covering the largest top-k, or the whole vocabulary for top-p alone).
 
+With ``verify_schedule`` (confidence-scheduled verification, ``DSPARK_SPEC.md`` §5) a round
+verifies each request's scheduled prefix of ``[bonus, d_1 … d_γ]`` only: the target runs at
+the narrowest width of :func:`verify_widths` holding the longest (one ``lax.switch``
+branch per width, all compiled with the round), and ``accept`` is capped there.
+
 Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
 when ``top_k <= 1`` or its temperature is 0. Finished requests stop changing: their
 cache writes, output and statistics are masked. Outputs are cut after the first stop
