@@ -69,6 +69,7 @@ from dspark_jax.bench_workload import (
     sampling_params,
 )
 from dspark_jax.cache import ContextCache
+from dspark_jax.cli import check_output_file
 from dspark_jax.config import DraftConfig
 from dspark_jax.cpu_awake import CpuAwake, host_cpus
 from dspark_jax.gpu_power import PowerSampler
@@ -82,6 +83,9 @@ from dspark_jax.split_round import (
     backbone_gemm_choice,
 )
 from dspark_jax.tile_race_kernel import TILE_RACE_CHOICES, TILE_RACE_ENV, tile_race_choice, use_tile_race_kernel
+
+E2E_TAU = 6.17
+"""``--tau``'s default: the mean accepted length forced in ``--e2e``."""
 
 PATHS = ("folded_greedy", "folded", "split_greedy", "split", "jit_static", "proposer", "proposer_device", "eager")
 
@@ -350,6 +354,7 @@ def _batches(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--batches={text!r} is invalid: expected comma-separated integers") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"--batches={text!r} is invalid: every batch must be >= 1")
+    _once(text, values)
     return values
 
 
@@ -374,12 +379,20 @@ def _race_tunings(text: str) -> tuple[RaceTuning, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _once(text: str, values: tuple) -> None:
+    """Refuses a list flag naming a value twice (a batch would be timed twice, a mode's rows doubled)."""
+    twice = sorted({v for v in values if values.count(v) > 1}, key=values.index)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: {', '.join(map(repr, twice))} given more than once")
+
+
 def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         values = tuple(v for v in text.split(",") if v)
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a comma-separated subset of {allowed}")
+        _once(text, values)
         return values
 
     return parse
@@ -451,7 +464,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mlp=xla,tile_race=xla (paths split_greedy@mlp=xla, …)",
     )
     parser.add_argument("--e2e-layers", type=int, default=None, help="target layers in --e2e (default the preset's)")
-    parser.add_argument("--tau", type=float, default=6.17, help="forced mean accepted length in --e2e")
+    parser.add_argument(
+        "--tau", type=float, default=None, help=f"forced mean accepted length in --e2e (default {E2E_TAU})"
+    )
     parser.add_argument("--xla-flags", default=None, help="appended to XLA_FLAGS before the backend starts")
     for flag, choices, variable, what in ENV_FLAGS:
         parser.add_argument(
@@ -509,6 +524,10 @@ def run(args: argparse.Namespace) -> int:
     if eager_iters < 0:
         raise ValueError(f"--eager-iters={eager_iters} is invalid: must be >= 0 (0 skips eager)")
     gamma = draft_config(shapes).gamma
+    for name, value in (("--tau", args.tau), ("--e2e-layers", args.e2e_layers)):
+        if value is not None and not args.e2e:
+            raise ValueError(f"{name} is only used with --e2e: add --e2e, or drop {name}")
+    args.tau = E2E_TAU if args.tau is None else args.tau
     if args.e2e and not 1 < args.tau < gamma + 1:
         raise ValueError(f"--tau={args.tau} is invalid: must lie strictly between 1 and gamma + 1 = {gamma + 1}")
     if not 0 <= args.idle_ms <= 1000:
@@ -518,6 +537,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} times the split paths: add split_greedy or split to --paths, or drop --{name}")
     if args.race_tunings and not args.walk:
         raise ValueError("--race-tunings is only used with --walk: add --walk, or drop --race-tunings")
+    check_output_file("--out", args.out)
     if args.timing_child is not None:  # one of --processes' timing processes
         return _timing_child(args, shapes, batches, iters, eager_iters)
     result: dict[str, Any] = {

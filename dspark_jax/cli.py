@@ -2,15 +2,21 @@
 
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is
 imported only when chosen, so ``dspark-jax demo`` never pays for the benchmark's imports.
+Before a command runs, :func:`check_environment` refuses a bad ``DSPARK_JAX_*`` variable. A
+``ValueError`` or ``TypeError`` from its ``run`` (a bad flag or input, named by the message)
+is printed as one line, ``dspark-jax COMMAND: error: MESSAGE``, with exit status 2, as
+argparse reports a bad flag; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 SEED_MAX = 2**32 - 1
 """The largest ``--seed`` (NumPy's generators and ``jax.random.key`` take it)."""
@@ -27,11 +33,79 @@ def number_flag(kind: type, low: float, high: float = math.inf, *, open_low: boo
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
         inside = (value > low if open_low else value >= low) and value <= high
-        if not (math.isfinite(value) and inside):
+        if not ((kind is int or math.isfinite(value)) and inside):  # a 400-digit int has no float
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {'in ' if high < math.inf else ''}{bounds}")
         return value
 
     return parse
+
+
+def check_environment() -> None:
+    """Checks every ``DSPARK_JAX_*`` variable dspark_jax reads, before anything loads or compiles:
+    a kernel reads its variable only when a program using it is traced, so a bad value would
+    otherwise fail late, or pass unread where no such program is traced.
+
+    Raises:
+      ValueError: naming the first bad variable, its value and the allowed values.
+    """
+    from dspark_jax.attention_kernel import ATTENTION_CHOICES, ATTENTION_ENV
+    from dspark_jax.greedy_kernel import GREEDY_CHOICES, GREEDY_ENV
+    from dspark_jax.kernel_choice import env_choice
+    from dspark_jax.memory_gate import FoldedSampling
+    from dspark_jax.mlp_kernel import MLP_CHOICES, MLP_ENV
+    from dspark_jax.race_kernel import RACE_CHOICES, RACE_ENV
+    from dspark_jax.split_round import BACKBONE_GEMM_CHOICES, BACKBONE_GEMM_ENV
+    from dspark_jax.tile_race_kernel import TILE_RACE_CHOICES, TILE_RACE_ENV
+
+    for variable, choices in (
+        (ATTENTION_ENV, ATTENTION_CHOICES),
+        (TILE_RACE_ENV, TILE_RACE_CHOICES),
+        (RACE_ENV, RACE_CHOICES),
+        (GREEDY_ENV, GREEDY_CHOICES),
+        (MLP_ENV, MLP_CHOICES),
+        (BACKBONE_GEMM_ENV, BACKBONE_GEMM_CHOICES),
+    ):
+        env_choice(variable, choices)
+    FoldedSampling.resolve()  # reads DSPARK_JAX_FOLDED_SAMPLING
+
+
+def check_output_file(flag: str, path: str | None) -> None:
+    """Refuses an output file flag's ``path`` that could not be written (None: not given), so
+    that the run does not fail at its end.
+
+    Raises:
+      ValueError: ``path`` is a folder or its folder does not exist (naming ``flag``).
+    """
+    if path is not None and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+        raise ValueError(f"{flag}={path!r} is invalid: must be a file path in an existing folder")
+
+
+def check_checkpoint(flag: str, path: str, *, tokenizer: bool = False) -> None:
+    """Refuses a checkpoint flag's ``path`` that is not a folder holding ``config.json`` (and
+    ``tokenizer.json`` with ``tokenizer``), before anything loads; the loaders check the contents.
+
+    Raises:
+      ValueError: naming ``flag``, ``path``, what is wrong and what was expected.
+    """
+    files = ("config.json", "tokenizer.json") if tokenizer else ("config.json",)
+    if not os.path.exists(path):
+        problem = "does not exist"
+    elif not os.path.isdir(path):
+        problem = "is not a folder"
+    else:
+        missing = [name for name in files if not os.path.isfile(os.path.join(path, name))]
+        problem = f"has no {' or '.join(missing)}" if missing else ""
+    if problem:
+        raise ValueError(f"{flag} {path!r} {problem}: expected a checkpoint folder with {' and '.join(files)}")
+
+
+@contextlib.contextmanager
+def loading(flag: str, path: str) -> Iterator[None]:
+    """Prefixes a ``ValueError`` raised while loading ``path`` with the flag that named it."""
+    try:
+        yield
+    except ValueError as err:
+        raise ValueError(f"{flag} {path!r}: {err}") from err
 
 
 # name -> (module, one-line help)
@@ -60,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"dspark-jax {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
-    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+    args = cmd_parser.parse_args(argv[1:])
+    try:
+        check_environment()
+        return int(module.run(args) or 0)
+    except (ValueError, TypeError) as err:
+        print(f"{cmd_parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

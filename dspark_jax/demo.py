@@ -15,7 +15,8 @@ import time
 import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
-from dspark_jax.cli import SEED_MAX, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
+from dspark_jax.generation import MAX_NEW_TOKENS
 
 PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
     )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in)")
-    parser.add_argument("--max-new", type=number_flag(int, 1), default=96, help="new tokens per prompt")
+    parser.add_argument("--max-new", type=number_flag(int, 1, MAX_NEW_TOKENS), default=96, help="new tokens per prompt")
     parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
 
 
@@ -47,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer
 
+    check_checkpoint("--target", args.target, tokenizer=True)
+    check_checkpoint("--draft", args.draft)
     started = time.perf_counter()
-    target = load_target(args.target, dtype="float32")
-    tokenizer = load_tokenizer(args.target)
-    draft = load_draft(args.draft, target=target)
+    with loading("--target", args.target):
+        target = load_target(args.target, dtype="float32")
+        tokenizer = load_tokenizer(args.target)
+    with loading("--draft", args.draft):
+        draft = load_draft(args.draft, target=target)
     texts = args.prompt or list(PROMPTS)
     prompts = [tokenizer.encode(t) for t in texts]
     key = jax.random.key(args.seed)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,8 +21,9 @@ import jax
 import numpy as np
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
-from dspark_jax.cli import SEED_MAX, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, check_output_file, loading, number_flag
 from dspark_jax.config import positive_int
+from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE
 
 
 def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -154,8 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompts", type=number_flag(int, 1), default=32, help="held-out prompts")
     parser.add_argument("--prompt-len", type=number_flag(int, 1), default=64, help="tokens per prompt")
-    parser.add_argument("--max-new", type=number_flag(int, 1), default=128, help="new tokens per prompt")
-    parser.add_argument("--temperatures", type=number_flag(float, 0), nargs="+", default=[0.0, 1.0])
+    parser.add_argument(
+        "--max-new", type=number_flag(int, 1, MAX_NEW_TOKENS), default=128, help="new tokens per prompt"
+    )
+    parser.add_argument("--temperatures", type=number_flag(float, 0, MAX_TEMPERATURE), nargs="+", default=[0.0, 1.0])
     parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
     parser.add_argument("--json", help="also write the results to this file (its folder must exist)")
 
@@ -167,14 +169,21 @@ def run(args: argparse.Namespace) -> int:
 
     if len(set(args.temperatures)) != len(args.temperatures):
         raise ValueError(f"--temperatures {args.temperatures} is invalid: each temperature once")
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
-        raise ValueError(f"--json={args.json!r} is invalid: must be a file path in an existing folder")
+    check_output_file("--json", args.json)
+    baseline = args.baseline_draft if args.baseline_draft and args.baseline_draft.lower() != "none" else None
+    check_checkpoint("--target", args.target, tokenizer=True)
+    for flag, path in (("--draft", args.draft), ("--baseline-draft", baseline)):
+        if path is not None:
+            check_checkpoint(flag, path)
     t0 = time.perf_counter()
-    target = load_target(args.target, dtype="float32")
-    tokenizer = load_tokenizer(args.target)
-    drafts = {"DSpark": load_draft(args.draft, target=target)}
-    if args.baseline_draft and args.baseline_draft.lower() != "none":
-        drafts["DFlash-style"] = load_draft(args.baseline_draft, target=target)
+    with loading("--target", args.target):
+        target = load_target(args.target, dtype="float32")
+        tokenizer = load_tokenizer(args.target)
+    with loading("--draft", args.draft):
+        drafts = {"DSpark": load_draft(args.draft, target=target)}
+    if baseline is not None:
+        with loading("--baseline-draft", baseline):
+            drafts["DFlash-style"] = load_draft(baseline, target=target)
     limit = min(target.config.max_position_embeddings, *(d.cfg.max_position_embeddings for d in drafts.values()))
     need = args.prompt_len + args.max_new + max(d.cfg.gamma for d in drafts.values()) - 1
     if need > limit:  # before the held-out text is read and encoded

@@ -14,7 +14,7 @@ import os
 import jax
 
 from dspark_jax.checkpoint import load_draft
-from dspark_jax.cli import SEED_MAX, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
 from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE, GenerationResult, generate, speculative_generate
 from dspark_jax.sampling import TOP_K_MAX
 from dspark_jax.target import check_pair, load_target
@@ -54,9 +54,14 @@ def _tokens_per_second(result: GenerationResult) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenizer = load_tokenizer(args.tokenizer or args.target)
-    target = load_target(args.target, dtype=args.dtype)
-    draft = load_draft(args.draft, target=target, dtype=args.dtype)
+    check_checkpoint("--target", args.target, tokenizer=not args.tokenizer)
+    check_checkpoint("--draft", args.draft)
+    with loading("--tokenizer" if args.tokenizer else "--target", args.tokenizer or args.target):
+        tokenizer = load_tokenizer(args.tokenizer or args.target)
+    with loading("--target", args.target):
+        target = load_target(args.target, dtype=args.dtype)
+    with loading("--draft", args.draft):
+        draft = load_draft(args.draft, target=target, dtype=args.dtype)
     check_pair(draft.cfg, target.config)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     eos = None if args.no_stop else _eos_id(tokenizer)

@@ -295,6 +295,41 @@ def test_bad_batches_are_refused_before_anything_runs():
         bench.main(["--shapes", "tiny", "--modes", "greedy,bogus"])
 
 
+@pytest.mark.parametrize(
+    ("flag", "text", "says"),
+    [
+        ("--batches", "2,1,2", "'2,1,2' is invalid: 2 given more than once"),
+        ("--modes", "greedy,mixed,greedy", "'greedy,mixed,greedy' is invalid: 'greedy' given more than once"),
+        ("--paths", "split,folded,split,folded", "is invalid: 'split', 'folded' given more than once"),
+    ],
+)
+def test_a_list_flag_naming_a_value_twice_is_refused(monkeypatch, capsys, flag, text, says):
+    """``--batches 2,1,2`` timed batch 2 twice (its rows and memory row doubled); a mode or path
+    named twice was dropped silently by the compiled paths (and doubled by the Proposer's)."""
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("the flags were accepted"))
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tiny", flag, text])
+    assert f"argument {flag}: " in (err := capsys.readouterr().err) and says in err, err
+
+
+def test_e2e_settings_and_the_output_file_are_refused_before_any_stage(monkeypatch, tmp_path):
+    """``--tau`` and ``--e2e-layers`` without ``--e2e`` were ignored silently; an ``--out`` in a
+    missing folder, or a folder, failed with FileNotFoundError / IsADirectoryError when the first
+    stage's result was saved."""
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the run reached the timed stage")
+
+    monkeypatch.setattr(bench, "_measure", measured)
+    base = ["--shapes", "tiny", "--batches", "1", "--no-torch", "--no-compile"]
+    for flag, value in (("--tau", "3"), ("--e2e-layers", "3")):
+        with pytest.raises(ValueError, match=f"^{flag} is only used with --e2e: add --e2e, or drop {flag}$"):
+            bench.main([*base, flag, value])
+    for out in (tmp_path / "missing" / "b.json", tmp_path):
+        with pytest.raises(ValueError, match=r"^--out=.* is invalid: must be a file path in an existing folder$"):
+            bench.main([*base, "--out", str(out)])
+
+
 def test_zero_or_negative_counts_are_refused_not_replaced_by_the_preset():
     """``--iters 0`` (and 0 for the other counts) used to fall back to the preset's value
     silently; every count is now checked as given, and ``--tau`` before any stage runs."""

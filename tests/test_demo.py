@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from dspark_jax.bundled import load_bundled
+from dspark_jax.bundled import TARGET_DIR, load_bundled
 from dspark_jax.cli import main
 
 # Two prompts and 16 new tokens: the same shapes as the notebooks' and the eval test's
@@ -24,7 +24,11 @@ def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
 
 
 def test_demo_flags_out_of_range_and_unknown_commands_are_refused(capsys):
-    for flags, says in ((["--max-new", "0"], "argument --max-new: '0' is invalid"), (["--seed", "-2"], "--seed")):
+    for flags, says in (
+        (["--max-new", "0"], "argument --max-new: '0' is invalid"),
+        (["--max-new", "2147483648"], "argument --max-new: '2147483648' is invalid: must be in [1, 2147483647]"),
+        (["--seed", "-2"], "--seed"),
+    ):
         try:
             main(["demo", *flags])
         except SystemExit as exit_:
@@ -34,6 +38,20 @@ def test_demo_flags_out_of_range_and_unknown_commands_are_refused(capsys):
         assert says in capsys.readouterr().err
     assert main(["bogus"]) == 2
     assert "unknown command 'bogus': choose one of demo, generate" in capsys.readouterr().err
+
+
+def test_demo_checkpoint_flags_are_refused_by_name(tmp_path, capsys):
+    """A missing draft was refused only after the target had loaded, and a target folder given
+    as the draft as ``draft config is missing the required field 'mask_token_id'``, naming
+    neither the flag nor the folder."""
+    assert main(["demo", "--draft", str(tmp_path / "none")]) == 2
+    says = f"--draft {str(tmp_path / 'none')!r} does not exist: expected a checkpoint folder with config.json"
+    assert capsys.readouterr().err == f"dspark-jax demo: error: {says}\n"
+    assert main(["demo", "--target", str(tmp_path)]) == 2
+    assert "error: --target " + repr(str(tmp_path)) + " has no config.json or tokenizer.json" in capsys.readouterr().err
+    assert main(["demo", "--draft", TARGET_DIR]) == 2
+    says = f"--draft {TARGET_DIR!r}: draft config is missing the required field 'mask_token_id'"
+    assert capsys.readouterr().err == f"dspark-jax demo: error: {says}\n"
 
 
 def test_load_bundled_refuses_a_draft_or_dtype_it_cannot_name():

@@ -1,6 +1,7 @@
 """``dspark-jax eval`` on the bundled pair (small scale) and its pieces."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -52,10 +53,19 @@ def test_tables_show_ratio_against_the_baseline():
     ("flags", "says"),
     [
         (["--prompts", "0"], "argument --prompts: '0' is invalid: must be >= 1"),
-        (["--max-new", "-3"], "argument --max-new: '-3' is invalid: must be >= 1"),
-        (["--temperatures", "nan"], "argument --temperatures: 'nan' is invalid: must be >= 0"),
+        (["--max-new", "-3"], "argument --max-new: '-3' is invalid: must be in [1, 2147483647]"),
+        (
+            ["--temperatures", "nan"],
+            "argument --temperatures: 'nan' is invalid: must be in [0, 3.4028234663852886e+38]",
+        ),
         (["--seed", "-1"], "argument --seed: '-1' is invalid: must be in [0, 4294967295]"),
         (["--seed", "99999999999999999999999"], "argument --seed: '99999999999999999999999' is invalid"),
+        # the round reads max_new_tokens as int32 and temperatures as float32 (were refused after loading)
+        (["--max-new", "2147483648"], "argument --max-new: '2147483648' is invalid: must be in [1, 2147483647]"),
+        (
+            ["--temperatures", "1e39"],
+            "argument --temperatures: '1e39' is invalid: must be in [0, 3.4028234663852886e+38]",
+        ),
     ],
 )
 def test_eval_flags_out_of_range_are_refused_by_argparse(flags, says, capsys):
@@ -65,13 +75,34 @@ def test_eval_flags_out_of_range_are_refused_by_argparse(flags, says, capsys):
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
-def test_eval_refuses_bad_settings_before_reading_the_held_out_text(tmp_path):
+def test_eval_refuses_bad_settings_before_reading_the_held_out_text(tmp_path, capsys):
     """Repeated temperatures were merged into fewer columns; a --json in a missing folder failed
-    after the whole evaluation; prompts too long for the models failed after encoding."""
-    with pytest.raises(ValueError, match=r"--temperatures \[0.0, 0.0, 1.0\] is invalid: each temperature once"):
-        main(["eval", "--temperatures", "0", "0", "1"])
+    after the whole evaluation; prompts too long for the models failed after encoding. Each is
+    one line naming the flag, exit status 2."""
+
+    def refused(argv: list[str], says: str) -> None:
+        assert main(["eval", *argv]) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(f"dspark-jax eval: error: {says}\n", err), err
+
+    refused(["--temperatures", "0", "0", "1"], r"--temperatures \[0.0, 0.0, 1.0\] is invalid: each temperature once")
     for path in (tmp_path / "missing" / "x.json", tmp_path):
-        with pytest.raises(ValueError, match="--json=.* is invalid: must be a file path in an existing folder"):
-            main(["eval", "--json", str(path)])
-    with pytest.raises(ValueError, match=r"--prompt-len 500 \+ --max-new 128 .* exceed the models' max_position"):
-        main(["eval", "--prompt-len", "500"])
+        refused(["--json", str(path)], "--json=.* is invalid: must be a file path in an existing folder")
+    refused(["--prompt-len", "500"], r"--prompt-len 500 \+ --max-new 128 .* exceed the models' max_position.*")
+
+
+def test_eval_checkpoint_flags_are_checked_by_name_before_loading(tmp_path, capsys):
+    """A missing checkpoint was reported by the loader (``target path ... has no config.json``)
+    after the flags before it had loaded."""
+    (tmp_path / "file").write_text("")
+    for flag, path, says in (
+        (
+            "--target",
+            tmp_path / "none",
+            "does not exist: expected a checkpoint folder with config.json and tokenizer.json",
+        ),
+        ("--draft", tmp_path, "has no config.json: expected a checkpoint folder with config.json"),
+        ("--baseline-draft", tmp_path / "file", "is not a folder: expected a checkpoint folder with config.json"),
+    ):
+        assert main(["eval", flag, str(path)]) == 2
+        assert capsys.readouterr().err == f"dspark-jax eval: error: {flag} {str(path)!r} {says}\n"

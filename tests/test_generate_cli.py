@@ -84,3 +84,31 @@ def test_out_of_range_sampling_flags_are_refused_by_name_before_loading(tmp_path
             raise AssertionError(f"{flag} {value} was accepted")
         err = capsys.readouterr().err
         assert f"argument {flag}: '{value}' " in err and says in err, err
+
+
+def test_checkpoint_flags_are_refused_by_name_before_loading(tmp_path, capsys):
+    """``--target /nonexistent`` was reported by the tokenizer loader (``tokenizer path ...
+    does not exist``); each path flag is now checked, naming the flag, before anything loads."""
+    (tmp_path / "config.json").write_text("{}")
+    none = str(tmp_path / "none")
+    for argv, says in (
+        (
+            ["--target", none, "--draft", none],
+            f"--target {none!r} does not exist: expected a checkpoint folder with config.json and tokenizer.json",
+        ),
+        (
+            ["--target", str(tmp_path), "--draft", none],
+            f"--target {str(tmp_path)!r} has no tokenizer.json: "
+            "expected a checkpoint folder with config.json and tokenizer.json",
+        ),
+        (
+            ["--target", str(tmp_path), "--draft", none, "--tokenizer", none],
+            f"--draft {none!r} does not exist: expected a checkpoint folder with config.json",
+        ),
+        (
+            ["--target", str(tmp_path), "--draft", str(tmp_path), "--tokenizer", none],
+            f"--tokenizer {none!r}: tokenizer path {none!r} does not exist: expected a tokenizer.json or its folder",
+        ),
+    ):
+        assert main(["generate", *argv, "--prompt", "x"]) == 2
+        assert capsys.readouterr().err == f"dspark-jax generate: error: {says}\n"
