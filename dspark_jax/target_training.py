@@ -25,12 +25,21 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dspark_jax.cli import number_flag
 from dspark_jax.config import TargetConfig, normalise_numbers
 from dspark_jax.target import Qwen3Target
+from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS
 from dspark_jax.train import (
+    COUNT,
+    COUNT_OR_ZERO,
+    INT32_MAX,
+    LEARNING_RATE,
+    SEED,
     TrainResult,
     cast_params,
+    check_heldout_losses,
     check_output_folder,
+    check_resume_settings,
     check_schedule_fields,
     check_token_stream,
     fit,
@@ -40,6 +49,7 @@ from dspark_jax.train import (
 )
 
 DEFAULT_VOCAB_SIZE = 2048
+MIN_VOCAB_SIZE = 256 + len(DEFAULT_SPECIAL_TOKENS)  # every byte and the special tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,8 +136,9 @@ def train_target(
 
     Raises:
       ValueError: ``seq_len`` does not fit the positions, a bad token stream, ``resume``
-        without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, or a
-        checkpoint that cannot be resumed (naming the settings that differ).
+        without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, a checkpoint
+        that cannot be resumed (naming the settings that differ), or a loss or parameters
+        that become NaN or infinite (naming the step and the loss).
     """
     check_window_fits(cfg, tcfg.seq_len)
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
@@ -149,7 +160,7 @@ def train_target(
         optimizer.init(params),
         tcfg,
         name="target",
-        run_meta={"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()},
+        run_meta=target_run_meta(cfg, tcfg),
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         progress=progress,
@@ -159,6 +170,11 @@ def train_target(
     )
     nnx.update(model, params)
     return TrainResult(model=model, history={"loss": [], **history}, step=done)
+
+
+def target_run_meta(cfg: TargetConfig, tcfg: TargetTrainConfig) -> dict:
+    """The settings a target training checkpoint records; resuming needs them unchanged."""
+    return {"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()}
 
 
 def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256) -> float:
@@ -176,24 +192,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output checkpoint folder (new, or --resume)")
     parser.add_argument(
         "--vocab-size",
-        type=int,
-        help=f"tokenizer vocabulary, special tokens included (default {DEFAULT_VOCAB_SIZE}; "
-        "with --resume, the saved tokenizer's)",
+        type=number_flag(int, MIN_VOCAB_SIZE, INT32_MAX),
+        help=f"tokenizer vocabulary, special tokens included, >= {MIN_VOCAB_SIZE} (256 bytes + "
+        f"{len(DEFAULT_SPECIAL_TOKENS)} special tokens; default {DEFAULT_VOCAB_SIZE}; with --resume, the saved "
+        "tokenizer's)",
     )
-    parser.add_argument("--hidden-size", type=int, default=192)
-    parser.add_argument("--intermediate-size", type=int, default=576)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=48)
-    parser.add_argument("--context", type=int, default=512, help="max_position_embeddings")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=COUNT, default=192)
+    parser.add_argument("--intermediate-size", type=COUNT, default=576)
+    parser.add_argument("--layers", type=COUNT, default=4)
+    parser.add_argument("--heads", type=COUNT, default=4)
+    parser.add_argument("--kv-heads", type=COUNT, default=2)
+    parser.add_argument("--head-dim", type=COUNT, default=48)
+    parser.add_argument("--context", type=COUNT, default=512, help="max_position_embeddings")
+    parser.add_argument("--steps", type=COUNT, default=3000)
+    parser.add_argument("--batch", type=COUNT, default=64)
+    parser.add_argument("--seq-len", type=COUNT, default=256)
+    parser.add_argument("--lr", type=LEARNING_RATE, default=2e-3)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--checkpoint-every", type=int, default=1000)
+    parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=1000, help="0 = only at the end")
     parser.add_argument(
         "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"
     )
@@ -212,15 +229,17 @@ def run(args: argparse.Namespace) -> int:
     model is built for the size the tokenizer has).
 
     Raises:
-      ValueError: ``--out`` is an existing file, holds a model without ``--resume`` or
-        lacks a training checkpoint with ``--resume``; ``--vocab-size`` is below the
-        bytes plus special tokens, or differs from the saved tokenizer's on ``--resume``;
-        the model or training settings are invalid. All raised before the tokenizer is
-        trained and before anything is written.
+      ValueError: ``--out`` is an existing file, cannot be created or written, holds a
+        model without ``--resume`` or lacks a training checkpoint with ``--resume``;
+        ``--vocab-size`` differs from the saved tokenizer's on ``--resume``; the model or
+        training settings are invalid; ``--resume`` meets a checkpoint of other settings.
+        All raised before the tokenizer is trained and before anything is written. Also
+        when the training diverges (see :func:`~dspark_jax.train.fit` and
+        :func:`~dspark_jax.train.check_heldout_losses`): then no model is saved.
     """
     from dspark_jax.corpus import encode_documents, load_corpus
     from dspark_jax.target import save_target
-    from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS, load_tokenizer, train_bpe
+    from dspark_jax.tokenizer import load_tokenizer, train_bpe
 
     # Validate the settings before the tokenizer's BPE training (seconds) writes anything;
     # the vocabulary size becomes the tokenizer's once it exists.
@@ -235,11 +254,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{tokenizer.vocab_size} ids: --resume keeps the saved tokenizer; drop --vocab-size or start anew"
             )
         vocab_size = tokenizer.vocab_size
-    elif vocab_size < 256 + len(DEFAULT_SPECIAL_TOKENS):
-        raise ValueError(
-            f"--vocab-size {vocab_size} is invalid: must be an integer >= {256 + len(DEFAULT_SPECIAL_TOKENS)} "
-            f"(256 bytes + {len(DEFAULT_SPECIAL_TOKENS)} special tokens)"
-        )
     cfg = TargetConfig(
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
@@ -261,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     check_window_fits(cfg, tcfg.seq_len)
+    checkpoint_dir = os.path.join(args.out, "checkpoint")
+    if tokenizer is not None:  # resuming with the saved tokenizer: every setting is known now
+        check_resume_settings(checkpoint_dir, target_run_meta(cfg, tcfg))
     os.makedirs(args.out, exist_ok=True)
     corpus = load_corpus()
     train_texts = corpus.texts("train")
@@ -283,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         cfg,
         tokens,
         tcfg,
-        checkpoint_dir=os.path.join(args.out, "checkpoint"),
+        checkpoint_dir=checkpoint_dir,
         resume=args.resume,
         progress=not args.quiet,
         max_seconds=args.max_seconds,
@@ -291,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     heldout = encode_documents(tokenizer, corpus.texts("heldout"))
     held = heldout_loss(result.model, heldout, seq_len=min(args.seq_len, 256))
+    check_heldout_losses("target", {"loss": held}, result.step)
     target = result.model
     target.config = dataclasses.replace(cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
     cast_params(target, args.save_dtype)

@@ -43,6 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dspark_jax.cli import SEED_MAX, number_flag
 from dspark_jax.config import (
     DraftConfig,
     TargetConfig,
@@ -57,6 +58,8 @@ CHECKPOINT_ARRAYS = "train_state.npz"
 CHECKPOINT_META = "train_state.json"
 MODEL_FILES = ("config.json", "model.safetensors")  # a folder holding one of these holds a model
 DISTILL_PROMPT_LEN = 32  # corpus tokens that open each sequence the target writes for distillation
+INT32_MAX = 2**31 - 1  # step counts, token ids, positions and anchors reach the device as int32
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # lr, weight decay and loss weights enter float32 maths
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -84,15 +87,18 @@ def _check_number(name: str, value: Any) -> None:
 
 
 def _check_weight(name: str, value: Any) -> None:
-    """Raises unless ``value`` is a finite number ``>= 0`` (a weight decay or a loss weight).
+    """Raises unless ``value`` is a number in ``[0, FLOAT32_MAX]`` (a weight decay or a loss weight).
 
     Raises:
       TypeError: ``value`` is not a number.
-      ValueError: ``value`` is negative, NaN or infinite.
+      ValueError: ``value`` is negative, NaN, or beyond float32's range (infinite there).
     """
     _check_number(name, value)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name}={value!r} is invalid: must be a finite number >= 0")
+    if not 0 <= value <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name}={value!r} is invalid: must be a finite number >= 0 and <= {FLOAT32_MAX!r} "
+            "(float32's largest; the training maths runs in float32)"
+        )
 
 
 def check_schedule_fields(cfg: Any, counts: tuple[str, ...]) -> None:
@@ -106,16 +112,22 @@ def check_schedule_fields(cfg: Any, counts: tuple[str, ...]) -> None:
     Raises:
       TypeError: a float field (``lr``, ``warmup_frac``, ``weight_decay``, ``clip_norm``)
         is not a number, naming it.
-      ValueError: naming the first invalid field and what is allowed.
+      ValueError: naming the first invalid field and what is allowed: counts and
+        ``checkpoint_every`` above ``INT32_MAX``, ``seed`` above ``SEED_MAX``, ``lr`` or
+        ``weight_decay`` above ``FLOAT32_MAX`` are refused too.
     """
-    for name, minimum in [*((name, 1) for name in counts), ("checkpoint_every", 0), ("seed", 0)]:
+    bounds = [*((name, 1, INT32_MAX) for name in counts), ("checkpoint_every", 0, INT32_MAX), ("seed", 0, SEED_MAX)]
+    for name, low, high in bounds:
         value = getattr(cfg, name)
-        if not is_integer(value) or value < minimum:
-            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
+        if not is_integer(value) or not low <= value <= high:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low} and <= {high}")
     for name in ("lr", "warmup_frac", "weight_decay", "clip_norm"):
         _check_number(name, getattr(cfg, name))
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ValueError(f"lr={cfg.lr!r} is invalid: must be a finite number > 0")
+    if not 0 < cfg.lr <= FLOAT32_MAX:
+        raise ValueError(
+            f"lr={cfg.lr!r} is invalid: must be a finite number > 0 and <= {FLOAT32_MAX!r} "
+            "(float32's largest; the optimizer runs in float32)"
+        )
     if not cfg.clip_norm > 0:  # inf is allowed: no clipping
         raise ValueError(f"clip_norm={cfg.clip_norm!r} is invalid: must be > 0 (inf: no clipping)")
     if not 0 <= cfg.warmup_frac < 1:
@@ -163,17 +175,46 @@ def save_train_state(path: str, tree: Any, meta: dict) -> None:
         json.dump({**meta, "num_leaves": len(leaves)}, f, indent=2)
 
 
-def load_train_state(path: str, like: Any) -> tuple[Any, dict]:
-    """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``.
+def read_train_meta(path: str) -> dict:
+    """The metadata of a checkpoint written by :func:`save_train_state` (no array is read).
 
     Raises:
-      ValueError: the checkpoint is missing, its metadata is not valid JSON, or its
-        arrays do not fit ``like``.
+      ValueError: the checkpoint is missing, or its metadata is not a JSON object.
     """
     meta_path = os.path.join(path, CHECKPOINT_META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"no training checkpoint in {path!r}: {CHECKPOINT_META} is missing")
     meta = read_json_file(meta_path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path!r} holds a JSON {type(meta).__name__}: expected an object")
+    return meta
+
+
+def check_resume_settings(path: str, run_meta: dict[str, Any]) -> None:
+    """Refuses to resume from the checkpoint in ``path`` unless it was written with ``run_meta``'s settings.
+
+    Only the metadata is read, so a changed setting is named before any array is loaded.
+
+    Raises:
+      ValueError: the checkpoint is missing or malformed, or a setting differs (naming
+        each one with both values).
+    """
+    meta = read_train_meta(path)
+    differ = settings_differences({key: meta.get(key) for key in run_meta}, run_meta)
+    if differ:
+        raise ValueError(
+            f"checkpoint {path!r} was written by a run with other settings; cannot resume: " + "; ".join(differ)
+        )
+
+
+def load_train_state(path: str, like: Any) -> tuple[Any, dict]:
+    """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``.
+
+    Raises:
+      ValueError: the checkpoint is missing, its metadata is not a JSON object, or its
+        arrays do not fit ``like``.
+    """
+    meta = read_train_meta(path)
     leaves, treedef = jax.tree.flatten(like)
     if meta["num_leaves"] != len(leaves):
         raise ValueError(f"checkpoint {path!r} has {meta['num_leaves']} arrays; this model needs {len(leaves)}")
@@ -258,12 +299,22 @@ def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
       flag: the option that named ``out``, for the messages.
 
     Raises:
-      ValueError: ``out`` is an existing file; it already holds a model (``config.json``
-        or ``model.safetensors``) and ``resume`` is false; or ``resume`` is true and
-        ``out/checkpoint`` holds no training checkpoint.
+      ValueError: ``out`` is an existing file; it cannot be created (a file lies on its
+        path, or the nearest existing folder is not writable) or is not writable; it
+        already holds a model (``config.json`` or ``model.safetensors``) and ``resume``
+        is false; or ``resume`` is true and ``out/checkpoint`` holds no training checkpoint.
     """
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{flag} {out!r} is an existing file: must be a folder (new, or one to --resume)")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):  # the nearest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {out!r} cannot be created: {existing!r} on its path is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == os.path.abspath(out):
+            raise ValueError(f"{flag} {out!r} is not writable")
+        raise ValueError(f"{flag} {out!r} cannot be created: {existing!r} is not writable")
     if resume:
         meta = os.path.join(out, "checkpoint", CHECKPOINT_META)
         if not os.path.isfile(meta):
@@ -281,11 +332,27 @@ def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
 
 
 def cast_params(module: nnx.Module, dtype: str) -> None:
-    """Casts every ``nnx.Param`` of ``module`` in place (float leaves only)."""
+    """Casts every ``nnx.Param`` of ``module`` in place (float leaves only).
+
+    Raises:
+      ValueError: a value is not finite or lies beyond ``dtype``'s range (it would be
+        saved as infinite, and such a checkpoint does not load); nothing is cast then.
+    """
     target = jnp.dtype(dtype)
-    for _, var in nnx.iter_graph(module):
-        if isinstance(var, nnx.Param) and jnp.issubdtype(var[...].dtype, jnp.floating):
-            var.set_value(var.get_value().astype(target))
+    params = [
+        var
+        for _, var in nnx.iter_graph(module)
+        if isinstance(var, nnx.Param) and jnp.issubdtype(var[...].dtype, jnp.floating)
+    ]
+    largest = float(jnp.finfo(target).max)
+    inside = [jnp.all(jnp.abs(var[...]) <= largest) for var in params]  # False for NaN too
+    if inside and not bool(jnp.stack(inside).all()):
+        raise ValueError(
+            f"the trained weights do not fit {dtype}: some are NaN, infinite or beyond its largest value "
+            f"{largest!r}, and would be saved as infinite; nothing was saved (a wider --save-dtype may help)"
+        )
+    for var in params:
+        var.set_value(var.get_value().astype(target))
 
 
 def fit(
@@ -320,25 +387,26 @@ def fit(
       end: the step to stop after (``<= tcfg.steps``).
       record_every_step: read the metrics back every step (else only on logged steps).
 
+    The loss is checked wherever it is read back (every step with ``record_every_step``,
+    else on logged steps and checkpoints, so the loop adds no host sync per step), and
+    the parameters before each checkpoint and at the end: a non-finite value stops the
+    run before anything broken is saved.
+
     Returns:
-      ``(params, history, steps done)``; ``history`` maps each metric to the values read.
+      ``(params, history, steps done)``; ``history`` maps each metric to the values read
+      on logged steps (every step with ``record_every_step``).
 
     Raises:
-      ValueError: ``max_seconds`` is not a finite number > 0; or, on resuming, the
-        checkpoint is missing, does not fit, or was written with other ``run_meta``
-        settings (naming each one that differs with both values).
-      FloatingPointError: the loss became NaN or infinite.
+      ValueError: ``max_seconds`` is not a finite number > 0; on resuming, the checkpoint
+        is missing, was written with other ``run_meta`` settings (naming each one that
+        differs with both values, before any array is read) or does not fit; or the
+        loss or the parameters became NaN or infinite (naming the step and the loss).
     """
     check_max_seconds(max_seconds)
     start = 0
     if resume:
+        check_resume_settings(checkpoint_dir, run_meta)
         (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
-        differ = settings_differences({key: meta.get(key) for key in run_meta}, run_meta)
-        if differ:
-            raise ValueError(
-                f"checkpoint {checkpoint_dir!r} was written by a run with other settings; cannot resume: "
-                + "; ".join(differ)
-            )
         start = meta["step"]
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
@@ -348,23 +416,55 @@ def fit(
         params, opt_state, metrics = step_fn(params, opt_state, step)
         done = step + 1
         out_of_time = max_seconds is not None and time.perf_counter() - started > max_seconds
-        log = done % tcfg.log_every == 0 or done == end or out_of_time
-        if record_every_step or log:
+        last = done == end or out_of_time
+        log = done % tcfg.log_every == 0 or last
+        save = bool(checkpoint_dir) and (last or bool(tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0))
+        if record_every_step or log or save:
             metrics = {k: float(v) for k, v in metrics.items()}
             if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"{name} loss became {metrics['loss']} at step {done}")
+                raise ValueError(
+                    f"{name} training diverged: the loss became {metrics['loss']} at step {done}; "
+                    "stopped before saving (a smaller lr may help)"
+                )
+        if record_every_step or log:
             for k, v in metrics.items():
                 history.setdefault(k, []).append(v)
         if log:
             bar.update(done, metrics)
-        if checkpoint_dir and (
-            done == end or out_of_time or (tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0)
-        ):
+        if (save or last) and not all_finite(params):
+            raise ValueError(
+                f"{name} training diverged: the parameters hold NaN or infinite values after step {done} "
+                f"(whose loss was {metrics['loss']}); stopped before saving (a smaller lr may help)"
+            )
+        if save:
             save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
         if out_of_time:
             break
     bar.close()
     return params, history, done
+
+
+def check_heldout_losses(name: str, losses: dict[str, float], step: int) -> None:
+    """Refuses to save a trained model whose held-out losses are not all finite.
+
+    The parameters can stay finite yet too large to run (a huge ``lr``), which only the
+    held-out scores, read at the end anyway, show.
+
+    Raises:
+      ValueError: naming each non-finite loss and the step the training stopped after.
+    """
+    bad = [f"{key} {value}" for key, value in losses.items() if not math.isfinite(value)]
+    if bad:
+        raise ValueError(
+            f"{name} training diverged: its held-out {', '.join(bad)} after step {step}; the model was not "
+            "saved (a smaller --lr may help)"
+        )
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every leaf of ``tree`` holds only finite values (one host read for the whole tree)."""
+    flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]
+    return bool(jnp.stack(flags).all()) if flags else True
 
 
 # --------------------------------------------------------------------------- the draft loss
@@ -412,8 +512,11 @@ class DraftTrainConfig:
             )
 
 
-def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int) -> None:
-    """Raises ``ValueError`` unless the draft can train on this target with ``seq_len``-token sequences."""
+def check_draft_fits(
+    draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int, *, anchors_per_seq: int = 1
+) -> None:
+    """Raises ``ValueError`` unless the draft can train on this target with ``seq_len``-token
+    sequences holding ``anchors_per_seq`` distinct anchors each (at most :func:`anchor_positions`)."""
     if draft_cfg.hidden_size != target_cfg.hidden_size:
         raise ValueError(
             f"draft hidden_size={draft_cfg.hidden_size} does not fit the target: must equal the target's "
@@ -443,6 +546,17 @@ def check_draft_fits(draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: 
             f"seq_len={seq_len} exceeds max_position_embeddings (draft {draft_cfg.max_position_embeddings}, "
             f"target {target_cfg.max_position_embeddings})"
         )
+    limit = anchor_positions(seq_len, draft_cfg.num_query_rows)
+    if anchors_per_seq > limit:
+        raise ValueError(
+            f"anchors_per_seq={anchors_per_seq} is invalid with seq_len={seq_len} and {draft_cfg.num_query_rows} "
+            f"query rows: must be <= {limit}, the distinct anchor positions a sequence offers"
+        )
+
+
+def anchor_positions(seq_len: int, rows: int) -> int:
+    """How many positions :func:`sample_anchors` draws from: ``1 … S − R − 1``."""
+    return seq_len - rows - 1
 
 
 def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, seq_len: int, rows: int) -> np.ndarray:
@@ -732,12 +846,14 @@ def train_draft(
       A :class:`TrainResult` with the draft and the metric history of the steps run.
 
     Raises:
-      ValueError: the draft does not fit the target; a bad token stream or ``distilled``
-        array; ``distilled`` with ``tcfg.batch_size < 2`` (no batch row would come from
-        it); ``resume`` without ``checkpoint_dir``; ``stop_at`` or ``max_seconds`` out of
-        range; a checkpoint that cannot be resumed.
+      ValueError: the draft does not fit the target; ``tcfg.anchors_per_seq`` above the
+        distinct anchor positions of a sequence; a bad token stream or ``distilled`` array;
+        ``distilled`` with ``tcfg.batch_size < 2`` (no batch row would come from it);
+        ``resume`` without ``checkpoint_dir``; ``stop_at`` or ``max_seconds`` out of range;
+        a checkpoint that cannot be resumed; a loss or parameters that become NaN or
+        infinite.
     """
-    check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
+    check_draft_fits(draft_cfg, target.config, tcfg.seq_len, anchors_per_seq=tcfg.anchors_per_seq)
     tokens = check_token_stream(tokens, tcfg.seq_len, draft_cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
@@ -779,7 +895,7 @@ def train_draft(
         optimizer_for(tcfg).init(params),
         tcfg,
         name="draft",
-        run_meta={"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()},
+        run_meta=draft_run_meta(draft_cfg, tcfg),
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         progress=progress,
@@ -789,6 +905,11 @@ def train_draft(
     )
     nnx.update(draft, params)
     return TrainResult(model=draft, history=history, step=done)
+
+
+def draft_run_meta(draft_cfg: DraftConfig, tcfg: DraftTrainConfig) -> dict[str, Any]:
+    """The settings a draft training checkpoint records; resuming needs them unchanged."""
+    return {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
 
 
 def _new_draft(draft_cfg: DraftConfig, target, seed: int):
@@ -840,27 +961,39 @@ def default_draft_config(
 DRAFT_SHAPE_FLAGS = {"gamma": 7, "markov_rank": 64, "layers": 2}
 
 
+# Argparse types of the trainers' numeric flags: counts and sizes up to int32's largest (step
+# counts, token ids, positions and anchors reach the device as int32), seeds up to SEED_MAX,
+# the learning rate up to float32's largest (the optimizer runs in float32).
+COUNT = number_flag(int, 1, INT32_MAX)
+COUNT_OR_ZERO = number_flag(int, 0, INT32_MAX)
+SEED = number_flag(int, 0, SEED_MAX)
+LEARNING_RATE = number_flag(float, 0, FLOAT32_MAX, open_low=True)
+TARGET_FILES = ("config.json", "tokenizer.json")  # what train-draft reads from --target before its weights
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
     parser.add_argument("--out", required=True, help="output folder for the draft checkpoint (new, or --resume)")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step (>= 2 with --distill)")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    parser.add_argument("--gamma", type=int, help="draft tokens per block (default 7)")
-    parser.add_argument("--markov-rank", type=int, help="0 = DFlash-style draft, no Markov head (default 64)")
-    parser.add_argument("--layers", type=int, help="draft decoder layers (default 2)")
+    parser.add_argument("--steps", type=COUNT, default=2000)
+    parser.add_argument("--batch", type=COUNT, default=16, help="sequences per step (>= 2 with --distill)")
+    parser.add_argument("--seq-len", type=COUNT, default=256)
+    parser.add_argument(
+        "--anchors", type=COUNT, default=32, help="anchors (blocks) per sequence, at most seq-len − rows − 1"
+    )
+    parser.add_argument("--gamma", type=COUNT, help="draft tokens per block (default 7)")
+    parser.add_argument("--markov-rank", type=COUNT_OR_ZERO, help="0 = DFlash-style draft, no Markov head (default 64)")
+    parser.add_argument("--layers", type=COUNT, help="draft decoder layers (default 2)")
     parser.add_argument("--no-confidence", action="store_true", help="train without a confidence head")
     parser.add_argument(
         "--draft-config", help="a draft config.json to use instead of --gamma, --markov-rank, --layers, --no-confidence"
     )
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=LEARNING_RATE, default=6e-4)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=500, help="0 = only at the end")
     parser.add_argument(
         "--distill",
-        type=int,
+        type=COUNT_OR_ZERO,
         default=0,
         help="also train on this many sequences the target generates (half of each batch); 0 = text only",
     )
@@ -872,22 +1005,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_draft_arguments(args: argparse.Namespace) -> None:
-    """The checks of ``train-draft``'s options that need no file read beyond ``--out``'s listing.
+    """The checks of ``train-draft``'s options that need no file read beyond the listings of
+    ``--target`` and ``--out``.
 
     Raises:
-      ValueError: ``--out`` is ``--target``'s folder, an existing file, a folder holding a
-        model without ``--resume``, or lacks a checkpoint with ``--resume``; ``--distill``
-        is negative, comes with ``--batch`` below 2 or a ``--seq-len`` with no room after
-        the prompt; or a draft-shape flag is given together with ``--draft-config``.
+      ValueError: ``--target`` is not a folder holding ``config.json`` and
+        ``tokenizer.json``; ``--out`` is ``--target``'s folder, an existing file, cannot be
+        created or written, a folder holding a model without ``--resume``, or lacks a
+        checkpoint with ``--resume``; ``--distill`` comes with ``--batch`` below 2 or a
+        ``--seq-len`` with no room after the prompt; ``--anchors`` exceeds the distinct
+        anchor positions of a ``--seq-len`` sequence (with ``--gamma`` rows); or a
+        draft-shape flag is given together with ``--draft-config``.
     """
+    if not os.path.isdir(args.target):
+        problem = "is not a folder" if os.path.exists(args.target) else "does not exist"
+        raise ValueError(f"--target {args.target!r} {problem}: expected the target's checkpoint folder")
+    missing = [name for name in TARGET_FILES if not os.path.isfile(os.path.join(args.target, name))]
+    if missing:
+        raise ValueError(
+            f"--target {args.target!r} has no {' or '.join(missing)}: expected the target's checkpoint folder "
+            f"(with {', '.join(TARGET_FILES)})"
+        )
     if os.path.realpath(args.out) == os.path.realpath(args.target):
         raise ValueError(
             f"--out {args.out!r} is the --target folder {args.target!r}: the draft would overwrite the target; "
             "give another folder"
         )
     check_output_folder(args.out, resume=args.resume)
-    if args.distill < 0:
-        raise ValueError(f"--distill {args.distill} is invalid: must be an integer >= 0 (0 = text only)")
     if args.distill:
         if args.batch < 2:
             raise ValueError(
@@ -912,6 +1056,24 @@ def check_draft_arguments(args: argparse.Namespace) -> None:
                 f"{', '.join(given)} conflict with --draft-config {args.draft_config!r}: the config file sets the "
                 "draft's shape; drop the flags or edit the config"
             )
+    else:  # default_draft_config's anchor layout: γ query rows
+        check_anchor_flags(args, DRAFT_SHAPE_FLAGS["gamma"] if args.gamma is None else args.gamma)
+
+
+def check_anchor_flags(args: argparse.Namespace, rows: int) -> None:
+    """Raises ``ValueError`` unless ``--seq-len`` holds a block of ``rows`` query rows and
+    ``--anchors`` distinct anchor positions (see :func:`sample_anchors`)."""
+    if args.seq_len < rows + 2:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is shorter than a block: must be >= {rows + 2} (a context token, the "
+            f"draft's {rows} query rows and the last row's target)"
+        )
+    limit = anchor_positions(args.seq_len, rows)
+    if args.anchors > limit:
+        raise ValueError(
+            f"--anchors {args.anchors} is invalid with --seq-len {args.seq_len}: must be <= {limit}, the distinct "
+            f"anchor positions a sequence offers (1 … seq-len − {rows} query rows − 1)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -919,9 +1081,12 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
       ValueError: the options are invalid (see :func:`check_draft_arguments`), the
-        ``--draft-config``'s ``mask_token_id`` is not the tokenizer's mask id, or the draft
-        or training settings are invalid; all raised before the corpus is read and before
-        anything is written.
+        ``--draft-config``'s ``mask_token_id`` is not the tokenizer's mask id or its rows
+        leave no room for ``--anchors``, the draft or training settings are invalid, or
+        ``--resume`` meets a checkpoint of other settings; all raised before the corpus is
+        read and before anything is written (the option checks before anything loads).
+        Also when the training diverges (see :func:`fit`, :func:`check_heldout_losses`):
+        then no draft is saved.
     """
     from dspark_jax.checkpoint import save_draft
     from dspark_jax.corpus import encode_documents, load_corpus
@@ -938,8 +1103,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
     )
-    tokenizer = load_tokenizer(args.target)
     draft_cfg = DraftConfig.from_pretrained(args.draft_config) if args.draft_config else None
+    if draft_cfg is not None:
+        check_anchor_flags(args, draft_cfg.num_query_rows)
+    tokenizer = load_tokenizer(args.target)
     if draft_cfg is not None and draft_cfg.mask_token_id != tokenizer.mask_id:
         raise ValueError(
             f"--draft-config {args.draft_config!r} has mask_token_id={draft_cfg.mask_token_id}: must equal the "
@@ -959,7 +1126,10 @@ def run(args: argparse.Namespace) -> int:
             num_layers=shape["layers"],
             confidence_head=not args.no_confidence,
         )
-    check_draft_fits(draft_cfg, target.config, tcfg.seq_len)
+    check_draft_fits(draft_cfg, target.config, tcfg.seq_len, anchors_per_seq=tcfg.anchors_per_seq)
+    checkpoint_dir = os.path.join(args.out, "checkpoint")
+    if args.resume:
+        check_resume_settings(checkpoint_dir, draft_run_meta(draft_cfg, tcfg))
     corpus = load_corpus()
     print(f"encoding {len(corpus.train_files)} training files …", file=sys.stderr)
     tokens = encode_documents(tokenizer, corpus.texts("train"))
@@ -974,7 +1144,7 @@ def run(args: argparse.Namespace) -> int:
         draft_cfg,
         tokens,
         tcfg,
-        checkpoint_dir=os.path.join(args.out, "checkpoint"),
+        checkpoint_dir=checkpoint_dir,
         resume=args.resume,
         progress=not args.quiet,
         max_seconds=args.max_seconds,
@@ -983,6 +1153,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     heldout = encode_documents(tokenizer, corpus.texts("heldout"))
     stats = evaluate_draft(result.model, target, heldout, seq_len=min(tcfg.seq_len, 256))
+    check_heldout_losses("draft", {key: stats[key] for key in ("ce", "tv", "bce")}, result.step)
     draft = result.model
     draft.cfg = dataclasses.replace(draft_cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
     cast_params(draft, args.save_dtype)

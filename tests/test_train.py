@@ -2,6 +2,7 @@
 
 import os
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from dspark_jax.target_training import TargetTrainConfig, train_target
 from dspark_jax.train import (
     DraftTrainConfig,
     block_loss_terms,
+    cast_params,
     check_draft_fits,
     default_draft_config,
     distillation_data,
@@ -241,6 +243,43 @@ def test_draft_reading_layers_the_target_lacks_is_refused():
         check_draft_fits(bad, TARGET_CFG, 24)
 
 
+def test_more_anchors_than_a_sequence_offers_are_refused():
+    """Anchors lie in 1 … seq_len − rows − 1; more were drawn with replacement (or exhausted memory)."""
+    rows = DRAFT_CFG.num_query_rows
+    limit = 24 - rows - 1
+    check_draft_fits(DRAFT_CFG, TARGET_CFG, 24, anchors_per_seq=limit)
+    want = f"anchors_per_seq={limit + 1} is invalid with seq_len=24 and {rows} query rows: must be <= {limit}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        train_draft(
+            types.SimpleNamespace(config=TARGET_CFG),
+            DRAFT_CFG,
+            TOKENS,
+            _tcfg(anchors_per_seq=limit + 1),
+            progress=False,
+        )
+
+
+def test_a_diverging_target_run_stops_before_saving_instead_of_returning_nan_weights(tmp_path):
+    """A learning rate at float32's edge: the parameters turn NaN within three steps."""
+    ckpt = tmp_path / "ckpt"
+    tcfg = TargetTrainConfig(steps=3, batch_size=2, seq_len=16, lr=3e38)
+    with pytest.raises(ValueError, match=re.escape("target training diverged:")):
+        train_target(TARGET_CFG, TOKENS, tcfg, checkpoint_dir=str(ckpt), progress=False)
+    assert not (ckpt / "train_state.json").exists()
+
+
+def test_casting_for_saving_refuses_weights_beyond_the_save_dtype():
+    """Finite float32 weights beyond float16's range were saved as inf: a checkpoint that does not load."""
+    layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    layer.kernel.set_value(layer.kernel.get_value().at[0, 0].set(1e5))
+    want = "the trained weights do not fit float16: some are NaN, infinite or beyond its largest value 65504.0"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        cast_params(layer, "float16")
+    assert layer.kernel[...].dtype == jnp.float32  # nothing was cast
+    cast_params(layer, "bfloat16")
+    assert layer.kernel[...].dtype == jnp.bfloat16 and float(layer.kernel[0, 0]) == 99840.0
+
+
 def test_empty_corpus_and_short_sequences_are_refused(target):
     with pytest.raises(ValueError, match="empty"):
         train_draft(target, DRAFT_CFG, np.zeros(0, np.int32), _tcfg(), progress=False)
@@ -344,6 +383,15 @@ def test_numpy_integer_and_float_settings_are_stored_as_python_numbers():
         ("lr", float("inf"), "must be a finite number > 0"),
         ("clip_norm", 0.0, "must be > 0 (inf: no clipping)"),
         ("clip_norm", float("nan"), "must be > 0 (inf: no clipping)"),
+        # Finite in float64 but infinite in the optimizer's float32: training saved NaN weights.
+        ("lr", 1e39, "must be a finite number > 0 and <= 3.4028234663852886e+38"),
+        ("weight_decay", 1e39, "must be a finite number >= 0 and <= 3.4028234663852886e+38"),
+        # Beyond what NumPy's generators and jax.random.key take (an OverflowError after BPE training).
+        ("seed", 2**63, "must be an integer >= 0 and <= 4294967295"),
+        ("seed", 2**32, "must be an integer >= 0 and <= 4294967295"),
+        ("steps", 2**31, "must be an integer >= 1 and <= 2147483647"),
+        ("batch_size", 2**31, "must be an integer >= 1 and <= 2147483647"),
+        ("checkpoint_every", 2**31, "must be an integer >= 0 and <= 2147483647"),
     ],
 )
 def test_trainer_configs_refuse_bad_shared_settings(make, field, value, allowed):
@@ -353,7 +401,7 @@ def test_trainer_configs_refuse_bad_shared_settings(make, field, value, allowed)
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("ce_weight", -1.0), ("tv_weight", float("nan")), ("confidence_weight", float("inf"))],
+    [("ce_weight", -1.0), ("tv_weight", float("nan")), ("confidence_weight", float("inf")), ("ce_weight", 1e39)],
 )
 def test_loss_weights_must_be_finite_and_non_negative(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is invalid: must be a finite number >= 0")):

@@ -11,12 +11,13 @@ import re
 import types
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from draft_testing import TRAINING_TARGET
 
 from dspark_jax import target_training, train
 from dspark_jax.tokenizer import train_bpe
-from dspark_jax.train import DraftTrainConfig, default_draft_config, fit, train_draft
+from dspark_jax.train import CHECKPOINT_META, DraftTrainConfig, TrainResult, default_draft_config, fit, train_draft
 
 TARGET_CFG = TRAINING_TARGET
 
@@ -49,8 +50,10 @@ def _parse(module, argv):
 
 
 def _model_folder(path):
+    """A folder with the files ``train-draft`` looks for in ``--target`` before loading it."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text("{}")
+    (path / "tokenizer.json").write_text("{}")
     return path
 
 
@@ -82,17 +85,50 @@ def test_train_draft_cli_refuses_distill_with_batch_one(tmp_path, no_work):
         train.run(_draft_args(tmp_path, "--distill", "4", "--batch", "1"))
 
 
+def test_train_draft_cli_refuses_distill_with_no_room_after_the_prompt(tmp_path, no_work):
+    with pytest.raises(ValueError, match=re.escape("--seq-len 16 is too short for --distill 2")):
+        train.run(_draft_args(tmp_path, "--distill", "2", "--seq-len", "16"))
+
+
+@pytest.mark.parametrize(
+    ("target", "problem"),
+    [("missing", "does not exist"), ("afile", "is not a folder"), ("empty", "has no config.json or tokenizer.json")],
+)
+def test_train_draft_cli_checks_the_target_folder_before_loading(tmp_path, no_work, target, problem):
+    """A missing --target was reported as a missing tokenizer path, a file as invalid JSON."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir()
+    path = str(tmp_path / target)
+    args = _parse(train, ["--target", path, "--out", str(tmp_path / "draft")])
+    with pytest.raises(ValueError, match=re.escape(f"--target {path!r} {problem}")):
+        train.run(args)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--distill", "-1"], "--distill -1 is invalid: must be an integer >= 0"),
-        (["--distill", "2", "--seq-len", "16"], "--seq-len 16 is too short for --distill 2"),
+        (["--anchors", "300", "--seq-len", "16"], "--anchors 300 is invalid with --seq-len 16: must be <= 8,"),
+        (["--anchors", "9", "--seq-len", "16"], "--anchors 9 is invalid with --seq-len 16: must be <= 8,"),
+        (
+            ["--anchors", "7", "--seq-len", "16", "--gamma", "9"],
+            "--anchors 7 is invalid with --seq-len 16: must be <= 6,",
+        ),
+        (["--seq-len", "8"], "--seq-len 8 is shorter than a block: must be >= 9"),
     ],
-    ids=["negative", "no-room-after-prompt"],
+    ids=["far-above", "one-above", "gamma", "no-block"],
 )
-def test_train_draft_cli_refuses_bad_distill_before_loading(tmp_path, no_work, extra, message):
+def test_train_draft_cli_refuses_more_anchors_than_positions_before_loading(tmp_path, no_work, extra, message):
+    """Anchors lie in 1 … seq_len − rows − 1; more were drawn with replacement, or exhausted memory."""
     with pytest.raises(ValueError, match=re.escape(message)):
         train.run(_draft_args(tmp_path, *extra))
+
+
+def test_train_draft_cli_counts_anchor_positions_with_the_draft_configs_rows(tmp_path, no_work):
+    cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
+    path = tmp_path / "dc.json"
+    path.write_text(json.dumps({**cfg.to_hf_config(), "sample_from_anchor": False, "block_size": 5}))
+    with pytest.raises(ValueError, match=re.escape("--anchors 11 is invalid with --seq-len 16: must be <= 10,")):
+        train.run(_draft_args(tmp_path, "--draft-config", str(path), "--anchors", "11", "--seq-len", "16"))
 
 
 def test_train_draft_cli_refuses_out_equal_to_target(tmp_path, no_work):
@@ -116,6 +152,34 @@ def test_training_cli_refuses_an_out_folder_holding_a_model(tmp_path, no_work, m
     argv[1] = str(afile)
     with pytest.raises(ValueError, match=re.escape(f"--out {str(afile)!r} is an existing file")):
         module.run(_parse(module, argv))
+
+
+def _module_argv(module, tmp_path, out):
+    return ["--out", str(out)] + (["--target", str(_model_folder(tmp_path / "target"))] if module is train else [])
+
+
+@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+def test_training_cli_refuses_an_out_path_under_a_file_before_any_work(tmp_path, no_work, module):
+    """It failed only when the first checkpoint was written, after up to --checkpoint-every steps."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "sub" / "draft"
+    want = f"--out {str(out)!r} cannot be created: {str(tmp_path / 'afile')!r} on its path is a file"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        module.run(_parse(module, _module_argv(module, tmp_path, out)))
+
+
+@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+def test_training_cli_refuses_an_out_folder_it_cannot_write_before_any_work(tmp_path, no_work, module, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(locked) and access(path, mode))
+    for out, problem in [
+        (locked / "new", f"cannot be created: {str(locked)!r} is not writable"),
+        (locked, "is not writable"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"--out {str(out)!r} {problem}")):
+            module.run(_parse(module, _module_argv(module, tmp_path, out)))
 
 
 @pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
@@ -149,6 +213,64 @@ def test_train_draft_cli_refuses_a_draft_config_with_another_mask_id(tmp_path, n
 
 
 # --------------------------------------------------------------------------- both
+BAD_DRAFT_FLAGS = [
+    ("--steps", "0"),
+    ("--batch", "0"),
+    ("--batch", "2147483648"),
+    ("--seq-len", "0"),
+    ("--anchors", "0"),
+    ("--gamma", "0"),
+    ("--markov-rank", "-1"),
+    ("--layers", "0"),
+    ("--lr", "0"),
+    ("--lr", "1e39"),
+    ("--seed", "-1"),
+    ("--seed", "4294967296"),
+    ("--seed", "9223372036854775808"),
+    ("--checkpoint-every", "-1"),
+    ("--distill", "-1"),
+]
+BAD_TARGET_FLAGS = [
+    ("--vocab-size", "257"),
+    ("--hidden-size", "2147483648"),
+    ("--intermediate-size", "0"),
+    ("--layers", "0"),
+    ("--heads", "0"),
+    ("--kv-heads", "0"),
+    ("--head-dim", "0"),
+    ("--context", "0"),
+    ("--steps", "0"),
+    ("--batch", "0"),
+    ("--batch", "2147483648"),
+    ("--seq-len", "0"),
+    ("--lr", "1e39"),
+    ("--lr", "nan"),
+    ("--seed", "9223372036854775808"),
+    ("--checkpoint-every", "-1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "flag", "value"),
+    [(train, *bad) for bad in BAD_DRAFT_FLAGS] + [(target_training, *bad) for bad in BAD_TARGET_FLAGS],
+    ids=[f"draft{f}={v}" for f, v in BAD_DRAFT_FLAGS] + [f"target{f}={v}" for f, v in BAD_TARGET_FLAGS],
+)
+def test_training_cli_refuses_numbers_out_of_range_naming_the_flag(module, flag, value, capsys):
+    """Plain ``type=int`` let these through to errors naming internal fields (``batch_size=0``),
+    to an OverflowError after the tokenizer's training, or to terabyte allocations."""
+    argv = ["--out", "o", flag, value] + (["--target", "t"] if module is train else [])
+    with pytest.raises(SystemExit):
+        _parse(module, argv)
+    assert f"argument {flag}: {value!r} is invalid: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+def test_training_cli_accepts_the_largest_seed_and_float32_learning_rate(module):
+    argv = ["--out", "o", "--seed", "4294967295", "--lr", "3.4e38"] + (["--target", "t"] if module is train else [])
+    args = _parse(module, argv)
+    assert (args.seed, args.lr) == (4294967295, 3.4e38)
+
+
 @pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
 @pytest.mark.parametrize("value", ["nan", "0", "-5", "inf"])
 def test_max_seconds_must_be_a_finite_positive_number(module, value, capsys):
@@ -164,14 +286,14 @@ def test_fit_refuses_a_non_positive_time_limit():
         _fit({}, None, max_seconds=0.0)
 
 
-def _fit(meta, checkpoint_dir, *, resume=False, max_seconds=None):
+def _fit(meta, checkpoint_dir, *, resume=False, max_seconds=None, params=None):
     def step_fn(params, opt_state, step):
         return params, opt_state, {"loss": jnp.float32(1.0)}
 
     tcfg = types.SimpleNamespace(steps=2, log_every=1, checkpoint_every=0)
     return fit(
         step_fn,
-        {"w": jnp.zeros(2)},
+        {"w": jnp.zeros(2)} if params is None else params,
         (),
         tcfg,
         name="test",
@@ -194,14 +316,117 @@ def test_resume_mismatch_names_each_differing_setting(tmp_path):
     assert "lr" not in str(info.value)
 
 
+def test_resume_names_a_changed_setting_before_reading_the_arrays(tmp_path):
+    """A changed shape used to fail on the array count (``has 1 arrays; this model needs 2``)."""
+    ckpt = str(tmp_path / "ckpt")
+    _fit({"model": {"layers": 2}}, ckpt)
+    bigger = {"w": jnp.zeros(2), "v": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=re.escape("cannot resume: model.layers: checkpoint 2, this run 3")):
+        _fit({"model": {"layers": 3}}, ckpt, resume=True, params=bigger)
+
+
+class CountedLoss:
+    """A loss whose host reads (``float``) are counted, in the step they belong to."""
+
+    def __init__(self, value, step, reads):
+        self.value, self.step, self.reads = value, step, reads
+
+    def __float__(self):
+        self.reads.append(self.step)
+        return float(self.value)
+
+
+def _fit_losses(losses, *, nan_params_after=None, checkpoint_dir=None, log_every=1, checkpoint_every=0, record=True):
+    """Runs :func:`fit` over ``losses`` (one step each); returns the steps whose loss was read.
+
+    ``nan_params_after``: the step (0-based) whose update leaves NaN parameters.
+    """
+    reads = []
+
+    def step_fn(params, opt_state, step):
+        if step == nan_params_after:
+            params = {"w": params["w"] * jnp.nan}
+        return params, opt_state, {"loss": CountedLoss(losses[step], step + 1, reads)}
+
+    tcfg = types.SimpleNamespace(steps=len(losses), log_every=log_every, checkpoint_every=checkpoint_every)
+    fit(
+        step_fn,
+        {"w": jnp.ones(2)},
+        (),
+        tcfg,
+        name="test",
+        run_meta={},
+        checkpoint_dir=checkpoint_dir,
+        resume=False,
+        progress=False,
+        max_seconds=None,
+        end=len(losses),
+        record_every_step=record,
+    )
+    return reads
+
+
+def test_fit_refuses_a_non_finite_loss_naming_the_step_and_the_loss():
+    with pytest.raises(ValueError, match=re.escape("test training diverged: the loss became nan at step 2")):
+        _fit_losses([1.0, np.nan, 1.0])
+
+
+def test_fit_refuses_parameters_that_became_non_finite_in_the_last_update(tmp_path):
+    """The loss is computed before the update: ``--steps 1 --lr 1e39`` saved NaN weights, exit 0."""
+    ckpt = tmp_path / "ckpt"
+    want = "test training diverged: the parameters hold NaN or infinite values after step 2 (whose loss was 0.5)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        _fit_losses([1.0, 0.5], nan_params_after=1, checkpoint_dir=str(ckpt))
+    assert not (ckpt / CHECKPOINT_META).exists()
+
+
+def test_fit_checks_the_loss_before_each_checkpoint_it_saves(tmp_path):
+    """Without reading the loss every step, a checkpoint step used to save whatever it held."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match=re.escape("the loss became nan at step 2")):
+        _fit_losses([1.0, np.nan, 1.0], checkpoint_dir=str(ckpt), log_every=10, checkpoint_every=2, record=False)
+    assert not (ckpt / CHECKPOINT_META).exists()
+
+
+def test_fit_reads_the_loss_only_on_logged_and_checkpointed_steps(tmp_path):
+    """The finiteness checks add no host sync per step to a trainer that avoids one."""
+    losses = [1.0] * 10
+    reads = _fit_losses(losses, checkpoint_dir=str(tmp_path / "ckpt"), log_every=5, checkpoint_every=4, record=False)
+    assert reads == [4, 5, 8, 10]
+    assert _fit_losses(losses, log_every=5, record=False) == [5, 10]
+
+
+def _stub_corpus(monkeypatch):
+    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"])
+    monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
+    monkeypatch.setattr("dspark_jax.corpus.encode_documents", lambda tokenizer, texts: np.zeros(64, np.int32))
+
+
+def test_train_draft_cli_saves_no_draft_whose_heldout_scores_are_not_finite(tmp_path, monkeypatch):
+    """Finite but huge parameters (a huge --lr) pass the training checks and score NaN."""
+    _stub_corpus(monkeypatch)
+    monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: types.SimpleNamespace(config=TARGET_CFG))
+    monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=None, history={}, step=3))
+    monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": np.nan, "tv": 1.0, "bce": np.inf})
+    monkeypatch.setattr("dspark_jax.checkpoint.save_draft", _must_not_run)
+    want = "draft training diverged: its held-out ce nan, bce inf after step 3; the model was not saved"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        train.run(_draft_args(tmp_path))
+    assert not (tmp_path / "draft").exists()
+
+
+def test_train_draft_cli_resume_names_a_changed_shape_before_reading_the_corpus(tmp_path, no_work, monkeypatch):
+    out = tmp_path / "draft"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / CHECKPOINT_META).write_text(json.dumps({"draft_config": {"block_size": 7}, "step": 1}))
+    monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: types.SimpleNamespace(config=TARGET_CFG))
+    with pytest.raises(ValueError, match=re.escape("draft_config.block_size: checkpoint 7, this run 5")):
+        train.run(_draft_args(tmp_path, "--resume", "--gamma", "5"))
+
+
 # --------------------------------------------------------------------------- train-target
-def test_train_target_refuses_a_tiny_vocabulary_before_creating_out(tmp_path, no_work):
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=re.escape("--vocab-size 10 is invalid: must be an integer >= 258")):
-        target_training.run(_parse(target_training, ["--out", str(out), "--vocab-size", "10"]))
-    assert not out.exists()
-
-
 def test_train_target_resume_refuses_another_vocab_size(tmp_path, no_work):
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
@@ -212,6 +437,30 @@ def test_train_target_resume_refuses_another_vocab_size(tmp_path, no_work):
     want = f"--vocab-size 300 differs from the saved tokenizer {str(out / 'tokenizer.json')!r} of {tok.vocab_size} ids"
     with pytest.raises(ValueError, match=re.escape(want)):
         target_training.run(args)
+
+
+def test_train_target_resume_names_a_changed_shape_before_reading_the_corpus(tmp_path, no_work):
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / CHECKPOINT_META).write_text(json.dumps({"target_config": {"hidden_size": 192}}))
+    train_bpe(["def f(x): return x + x\n" * 3], 270).save(str(out / "tokenizer.json"))
+    args = _parse(target_training, ["--out", str(out), "--resume", "--hidden-size", "64"])
+    with pytest.raises(ValueError, match=re.escape("target_config.hidden_size: checkpoint 192, this run 64")):
+        target_training.run(args)
+
+
+def test_train_target_cli_saves_no_model_whose_heldout_loss_is_not_finite(tmp_path, monkeypatch):
+    _stub_corpus(monkeypatch)
+    tokenizer = types.SimpleNamespace(vocab_size=300, save=lambda path: None)
+    monkeypatch.setattr("dspark_jax.tokenizer.train_bpe", lambda texts, size: tokenizer)
+    monkeypatch.setattr(target_training, "train_target", lambda *a, **k: TrainResult(model=None, history={}, step=2))
+    monkeypatch.setattr(target_training, "heldout_loss", lambda *a, **k: np.nan)
+    monkeypatch.setattr("dspark_jax.target.save_target", _must_not_run)
+    out = tmp_path / "out"
+    want = "target training diverged: its held-out loss nan after step 2; the model was not saved"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        target_training.run(_parse(target_training, ["--out", str(out), "--vocab-size", "300"]))
+    assert not (out / "training.json").exists()
 
 
 def test_train_target_warns_when_the_bpe_comes_out_smaller(tmp_path, monkeypatch, capsys):
