@@ -12,6 +12,7 @@ from np_reference import gqa_attention
 from dspark_jax import bench_workload
 from dspark_jax.attention_kernel import (
     ATTENTION_ENV,
+    TARGET_PROGRAMS,
     attend_block,
     attention_choice,
     context_attention,
@@ -83,8 +84,10 @@ def test_merging_kernel_with_a_tile_of_heads_matches_numpy():
 
 
 def test_num_splits_fills_the_gpu_at_small_batches():
-    # the 8B draft: 8 KV heads, capacity 1040 = 17 chunks of 64
-    assert [num_splits(b, 8, 1040) for b in (1, 2, 8, 16, 32, 128)] == [16, 16, 4, 2, 1, 1]  # powers of two
+    # the 8B draft: 8 KV heads, capacity 1040 = 17 chunks of 64. TARGET_PROGRAMS / (B · 8) ranges
+    # reach the target: 32, 16, 4, 2, 1, 0.25 → at least 1, at most 17 chunks, a power of two below
+    assert TARGET_PROGRAMS == 256
+    assert [num_splits(b, 8, 1040) for b in (1, 2, 8, 16, 32, 128)] == [16, 16, 4, 2, 1, 1]
     assert num_splits(1, 1, 16) == 1  # one chunk: nothing to split
     assert num_splits(3, 2, 100) == 2  # never more ranges than chunks
 

@@ -17,6 +17,7 @@ from dspark_jax.race_kernel import RACE_ENV
 from dspark_jax.tile_race_kernel import (
     TILE_RACE_AUTO_BATCHES,
     TILE_RACE_ENV,
+    TILE_RACE_PROGRAMS,
     TileRaceTuning,
     padded_walk_inputs,
     pick_raced_tiles,
@@ -273,8 +274,13 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     for value in (-1, 2.0, True):
         with pytest.raises(ValueError, match=f"programs={value!r} is invalid: must be an integer >= 0"):
             TileRaceTuning(programs=value)
-    # the persistent programs by batch: none beyond the table's last batch
-    assert [tile_race_tuning(b).programs for b in (1, 2, 8, 16, 32, 64, 128)] == [396, 594, 594, 594, 396, 264, 0]
+    # the persistent programs by batch: each row of the table from the batch after the row
+    # before it up to its own, none beyond the last row
+    first = 1
+    for (last, programs), after in zip(TILE_RACE_PROGRAMS, [*TILE_RACE_PROGRAMS[1:], (None, 0)], strict=True):
+        assert tile_race_tuning(first).programs == programs == tile_race_tuning(last).programs
+        assert tile_race_tuning(last + 1).programs == after[1]
+        first = last + 1
     assert dataclasses.replace(tile_race_tuning(32), programs=0) == TileRaceTuning()
     assert TileRaceTuning().warps_for(32) == 4 and TileRaceTuning().warps_for(64) == 8
     assert TileRaceTuning(warps=2).warps_for(128) == 2
