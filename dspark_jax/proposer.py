@@ -787,8 +787,10 @@ class Proposer:
 
     def _device_call(self, args: tuple[Any, ...], sampling: bool | None) -> DraftBlock | None:
         """The round of inputs already on the device (README notes 59 and 62), or None where
-        the host path must take the call: the eager path, programs not yet compiled, or
-        inputs the device packing cannot take (the host path checks those first)."""
+        the host path must take the call: the eager path, programs not yet compiled, inputs
+        no front program takes (other row counts or dtypes, per-row keys: packed on the host,
+        since packing them on the device would compile while serving), or inputs the host
+        path refuses, naming the field."""
         cache, bonus, prefix_lens, temperatures, top_k, key, slots = args
         try:
             bucket = self.bucket(bonus.shape[0])
@@ -798,12 +800,11 @@ class Proposer:
                 return None
             row_keys, round_key = self._round_key(key)
             inputs = _Front(bonus, prefix_lens, temperatures, top_k, slots)
-            front = row_keys is None and self._front_takes(bucket, inputs)
-            if not front:
-                inputs = self._device_pack(bucket, *inputs, row_keys)
+            if row_keys is not None or not self._front_takes(bucket, inputs):
+                return None  # packed on the host instead: nothing compiles while serving
         except Exception:  # the host path raises what is wrong, naming the field
             return None
-        if front and inputs.name(bucket) not in self._programs:  # once per bucket, unless precompiled
+        if inputs.name(bucket) not in self._programs:  # once per bucket, unless precompiled
             with _Compiles(self._install, 1) as compiles:
                 compiles.submit(self._front_jobs(bucket, (slots is not None,)))
         try:
@@ -842,11 +843,6 @@ class Proposer:
             self._last_mode = (temperatures, top_k, sampling)
         return sampling
 
-    @functools.cached_property
-    def _device_packer(self) -> Callable[..., jax.Array]:
-        """:func:`pack_on_device` jitted, for the device inputs no front program takes."""
-        return jax.jit(pack_on_device, static_argnums=(0, 1))
-
     def _front_jobs(
         self, bucket: int, slots: tuple[bool, ...] = (False, True)
     ) -> Iterator[tuple[tuple[Any, ...], Callable[[], jax.stages.Compiled]]]:
@@ -862,11 +858,6 @@ class Proposer:
             job = self._round_job(("front", bucket, with_slots), fn, args, backbone_compile_options(bucket))
             if job is not None:
                 yield job
-
-    def _device_pack(self, bucket: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
-        """:func:`pack_on_device`, jitted (compiled at its first use per input signature):
-        the packed inputs of device arrays that no front program takes."""
-        return self._device_packer(bucket, self._width, bonus, prefix_lens, temperatures, top_k, slots, row_keys)
 
     def _unpadded(self, rows: int, bucket: int, sampling: bool, block: DraftBlock) -> DraftBlock:
         if rows == bucket or not self.unpad:
@@ -902,7 +893,7 @@ class Proposer:
             and all(tuple(a.shape) == self.cache_shape and a.dtype == self.cache_dtype for a in (cache.k, cache.v))
             and all(a.shape == (rows,) and a.dtype.kind in "iu" for a in columns)
             and raw_temps.shape == (rows,)
-            and raw_temps.dtype.kind in "fiu"
+            and (raw_temps.dtype.kind in "iu" or jnp.issubdtype(raw_temps.dtype, jnp.floating))  # bf16 too
         )
         if shaped:
             key_rows(key, rows)  # a bad key raises its TypeError

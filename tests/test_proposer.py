@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from draft_testing import random_draft, tiny_config
@@ -384,7 +385,9 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             slots, bonus, prefix_lens = (jnp.asarray(ints[:, i]) for i in range(3))  # int32: -3 wraps alike
             top_k = jnp.asarray(ints[:, 3].astype(np.uint32))  # 2³¹ + 5 fits uint32, not int32
             temps = jnp.asarray(args["temperatures"])
-            on_device = proposer._device_pack(bucket, bonus, prefix_lens, temps, top_k, slots, row_keys)
+            on_device = jax.jit(packed_inputs.pack_on_device, static_argnums=(0, 1))(
+                bucket, width, bonus, prefix_lens, temps, top_k, slots, row_keys
+            )
             assert on_device.shape == (bucket, width)
             np.testing.assert_array_equal(np.asarray(on_device), host)
             if rows == bucket and row_keys is None:  # what the front program takes
@@ -412,11 +415,11 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
             with CompileCounter() as counter:
                 block = proposer(cache, **device_args, key=key)
             assert isinstance(packed_seen[-2], np.ndarray)
-            if rows == 4 and key.ndim == 0:
+            if rows == 4 and key.ndim == 0:  # a front program takes them
                 assert isinstance(packed_seen[-1], proposer_module._Front)
-                assert counter.count == 0 and counter.lowerings == 0
-            else:
-                assert isinstance(packed_seen[-1], jax.Array)
+            else:  # another row count or per-row keys: packed on the host, nothing compiled
+                assert isinstance(packed_seen[-1], np.ndarray)
+            assert counter.count == 0 and counter.lowerings == 0
             for got, want in zip(jax.tree.leaves(block), jax.tree.leaves(expected), strict=True):
                 assert got.shape == want.shape and got.dtype == want.dtype
                 got, want = np.asarray(got), np.asarray(want)
@@ -424,6 +427,40 @@ def test_device_inputs_are_packed_on_the_device_and_draft_the_same_rows(forced, 
                     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
                 else:
                     np.testing.assert_array_equal(got, want)  # tokens, greedy mask
+
+
+def test_device_inputs_of_other_dtypes_and_bfloat16_temperatures_compile_nothing(forced):
+    """After ``precompile``, device inputs no front program takes (uint32 or int64-like ids,
+    float16 / bfloat16 / integer temperatures) go through the host packing: no compile, the
+    host path's rows."""
+    draft, proposer, cache = forced
+    rng = np.random.default_rng(8)
+    args = random_call(rng, draft.cfg.vocab_size, 3)
+    args["temperatures"] = np.array([0.0, 0.875, 1.5], np.float32)  # exact in bfloat16
+    key = jax.random.key(9)
+    expected = proposer(cache, **args, key=key)
+    variants = [
+        {**args, "temperatures": args["temperatures"].astype(ml_dtypes.bfloat16)},  # host bf16
+        {
+            **{n: jnp.asarray(v) for n, v in args.items()},
+            "temperatures": jnp.asarray(args["temperatures"], jnp.bfloat16),
+        },
+        {
+            **{n: jnp.asarray(v, jnp.uint32) for n, v in args.items() if n != "temperatures"},
+            "temperatures": jnp.asarray(args["temperatures"], jnp.float16),
+        },
+        {
+            **{n: jnp.asarray(v, jnp.int32) for n, v in args.items() if n != "temperatures"},
+            "temperatures": jnp.asarray([0, 1, 1], jnp.int32),
+        },
+    ]
+    for i, call in enumerate(variants):
+        with CompileCounter() as counter:
+            block = proposer(cache, **call, key=key)
+            jax.block_until_ready(block)
+        assert counter.count == 0 and counter.lowerings == 0, i
+        if i < 3:  # the same temperatures: the same rows
+            np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(expected.draft_tokens))
 
 
 def test_a_bucket_compiles_its_front_program_at_its_first_device_call():
