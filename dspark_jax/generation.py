@@ -694,9 +694,9 @@ def speculative_generate(
         round) instead of one compiled call per round from a Python loop. Same tokens.
       verify_schedule: ``None`` (the target verifies all γ + 1 tokens of every round) or
         confidence-scheduled verification (``DSPARK_SPEC.md`` §5): a ``[N]`` table, ``N >
-        B·(γ + 1)``, of the target's measured verify steps per second when the batch
-        verifies ``t`` tokens in total (index ``t``, anchors included; finite, >= 0, not
-        all 0). Each round, :func:`~dspark_jax.verification.schedule_verify_lengths`
+        B·(γ + 1)``, of measured decoding steps (whole rounds: draft, verify, accept) per
+        second when the batch verifies ``t`` tokens in total (index ``t``, anchors
+        included; finite, >= 0, not all 0). Each round, :func:`~dspark_jax.verification.schedule_verify_lengths`
         turns the draft's confidence into per-request verify lengths, the target runs at
         the narrowest width of :func:`verify_widths` holding the longest, and each
         request's slots past its length are neither computed into its accept nor cached.

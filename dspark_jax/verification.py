@@ -510,8 +510,8 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
 
     Args:
       confidence: ``[B, γ]`` per-slot acceptance probabilities.
-      steps_per_second: ``[N]`` measured target verify steps per second when the batch
-        verifies ``t`` tokens in total (anchors included), indexed by ``t``;
+      steps_per_second: ``[N]`` measured decoding steps (whole rounds) per second when the
+        batch verifies ``t`` tokens in total (anchors included), indexed by ``t``;
         ``N > B·(γ+1)``.
 
     Returns:
