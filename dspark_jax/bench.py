@@ -711,5 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # as `dspark-jax bench`: environment checked, a bad flag one line
+    from dspark_jax.cli import main as cli_main
+
+    raise SystemExit(cli_main(["bench", *sys.argv[1:]]))

@@ -123,3 +123,16 @@ def test_number_flags_refuse_integers_too_large_for_a_float():
     with pytest.raises(argparse.ArgumentTypeError, match=r"is invalid: must be in \[0, 4294967295\]"):
         parse("9" * 400)
     assert parse("4294967295") == SEED_MAX
+
+
+def test_python_dash_m_bench_reports_a_bad_flag_as_one_line():
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_jax.bench", "--shapes", "tiny", "--iters", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "dspark-jax bench: error: --iters=0 is invalid: must be >= 1"
