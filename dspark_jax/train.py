@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.cli import SEED_MAX, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, number_flag
 from dspark_jax.config import (
     DraftConfig,
     TargetConfig,
@@ -968,7 +968,6 @@ COUNT = number_flag(int, 1, INT32_MAX)
 COUNT_OR_ZERO = number_flag(int, 0, INT32_MAX)
 SEED = number_flag(int, 0, SEED_MAX)
 LEARNING_RATE = number_flag(float, 0, FLOAT32_MAX, open_low=True)
-TARGET_FILES = ("config.json", "tokenizer.json")  # what train-draft reads from --target before its weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1017,15 +1016,7 @@ def check_draft_arguments(args: argparse.Namespace) -> None:
         anchor positions of a ``--seq-len`` sequence (with ``--gamma`` rows); or a
         draft-shape flag is given together with ``--draft-config``.
     """
-    if not os.path.isdir(args.target):
-        problem = "is not a folder" if os.path.exists(args.target) else "does not exist"
-        raise ValueError(f"--target {args.target!r} {problem}: expected the target's checkpoint folder")
-    missing = [name for name in TARGET_FILES if not os.path.isfile(os.path.join(args.target, name))]
-    if missing:
-        raise ValueError(
-            f"--target {args.target!r} has no {' or '.join(missing)}: expected the target's checkpoint folder "
-            f"(with {', '.join(TARGET_FILES)})"
-        )
+    check_checkpoint("--target", args.target, tokenizer=True)
     if os.path.realpath(args.out) == os.path.realpath(args.target):
         raise ValueError(
             f"--out {args.out!r} is the --target folder {args.target!r}: the draft would overwrite the target; "
