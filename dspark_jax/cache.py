@@ -20,7 +20,7 @@ shapes and dtypes are static and checked while tracing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,8 @@ import numpy as np
 from flax import struct
 
 from dspark_jax.config import DraftConfig, positive_int
+from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.sampling import check_dtypes
-
-if TYPE_CHECKING:
-    from dspark_jax.draft import DSparkDraft
 
 
 @struct.dataclass
@@ -168,9 +166,8 @@ def _check_features(
     """``draft`` must be a draft, ``cache`` a :class:`ContextCache`, ``features`` ``[B, N, K·H]``
     of a floating dtype for the cache's ``B`` slots and the draft's ``K·H``, and ``rows`` and
     ``masks`` as :func:`_check_rows` says; raises naming the argument otherwise."""
-    cfg = getattr(draft, "cfg", None)
-    if not isinstance(cfg, DraftConfig):  # the draft module is not imported here (it is a layer above)
-        raise TypeError(f"draft must be a DSparkDraft, got {type(draft).__name__}")
+    check_draft(draft)
+    cfg = draft.cfg
     _check_cache(cache)
     width = cfg.num_fused_layers * cfg.hidden_size
     shape = tuple(np.shape(features))
