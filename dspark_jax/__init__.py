@@ -88,6 +88,8 @@ _EXPORTS = {
     "speculative_generate": "dspark_jax.generation",
     "GenerationResult": "dspark_jax.generation",
     "verify_widths": "dspark_jax.generation",
+    "measure_verify_schedule": "dspark_jax.generation",
+    "VERIFY_RULES": "dspark_jax.generation",
     # tokenizer, corpus, training, evaluation, bundled pair (issue 5)
     "Tokenizer": "dspark_jax.tokenizer",
     "train_bpe": "dspark_jax.tokenizer",

@@ -4,6 +4,9 @@ The target folder is a Hugging Face Qwen3 checkpoint with a ``tokenizer.json``; 
 draft folder is a DSpark checkpoint (γ is the draft's ``block_size``). Prints each
 completion, then τ, acceptance by draft position and rounds; ``--compare`` also times
 plain decoding with the target alone (both compiled first, then timed).
+``--verify-schedule RULE`` first measures a steps-per-second table for this batch on this
+device (:func:`~dspark_jax.generation.measure_verify_schedule`) and verifies by it
+(``DSPARK_SPEC.md`` §5; the draft needs a confidence head).
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ import jax
 
 from dspark_jax.checkpoint import load_draft
 from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
-from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE, GenerationResult, generate, speculative_generate
+from dspark_jax.generation import (
+    MAX_NEW_TOKENS,
+    MAX_TEMPERATURE,
+    VERIFY_RULES,
+    GenerationResult,
+    generate,
+    measure_verify_schedule,
+    speculative_generate,
+)
 from dspark_jax.sampling import TOP_K_MAX
 from dspark_jax.target import check_pair, load_target
 from dspark_jax.tokenizer import load_tokenizer
@@ -38,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="also time plain decoding with the target alone")
     parser.add_argument(
         "--device-loop", action="store_true", help="run all rounds in one compiled while_loop (no host sync per round)"
+    )
+    parser.add_argument(
+        "--verify-schedule",
+        choices=VERIFY_RULES,
+        default=None,
+        help="verify by confidence with this rule, from a table measured first (the draft needs a confidence head)",
     )
 
 
@@ -75,7 +92,13 @@ def run(args: argparse.Namespace) -> int:
         key=jax.random.key(args.seed),
     )
     options["device_loop"] = args.device_loop
-    spec = speculative_generate(target, draft, prompts, **options)
+    schedule = {}  # speculative decoding's alone
+    if args.verify_schedule:
+        table = measure_verify_schedule(
+            target, draft, len(prompts), prompt_len=max(map(len, prompts)), temperature=args.temperature, seed=args.seed
+        )
+        schedule = dict(verify_schedule=table, verify_rule=args.verify_schedule)
+    spec = speculative_generate(target, draft, prompts, **options, **schedule)
     for text, tokens in zip(args.prompt, spec.tokens, strict=True):
         print(f"--- {text!r}")
         print(text + tokenizer.decode(tokens))
@@ -86,8 +109,15 @@ def run(args: argparse.Namespace) -> int:
         print("tau per request: " + ", ".join(f"{t:.2f}" for t in spec.tau))
     print("acceptance by draft position: " + " ".join(f"{a:.2f}" for a in spec.acceptance_by_position))
     print(f"rounds: {spec.rounds}, new tokens: {sum(len(t) for t in spec.tokens)}")
+    if args.verify_schedule:
+        request_rounds = sum(spec.verify_length_counts)
+        counts = " ".join(map(str, spec.verify_length_counts))
+        print(
+            f"verified per request-round: {spec.verified_tokens / request_rounds:.2f} "
+            f"(request-rounds verifying 1 … {gamma + 1} tokens: {counts})"
+        )
     if args.compare:
-        spec = speculative_generate(target, draft, prompts, **options)  # the first call compiled it
+        spec = speculative_generate(target, draft, prompts, **options, **schedule)  # the first call compiled it
         generate(target, prompts, **options)
         plain = generate(target, prompts, **options)
         speed_spec, speed_plain = _tokens_per_second(spec), _tokens_per_second(plain)

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
-from dspark_jax.config import check_flag, is_integer, is_real
+from dspark_jax.config import check_flag, is_integer, is_real, positive_int
 from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
@@ -72,6 +72,9 @@ class GenerationResult:
       verified_tokens: tokens the target verified over all request-rounds, anchors
         included: ``γ + 1`` per request-round, fewer with ``verify_schedule``; the
         decode steps for :func:`generate`.
+      verify_length_counts: ``[γ + 1]``; entry ``j − 1`` counts the request-rounds that
+        verified ``j`` tokens (all at ``γ + 1`` without ``verify_schedule``); empty for
+        :func:`generate`.
       seconds: wall time of the call, compilation included.
     """
 
@@ -82,6 +85,7 @@ class GenerationResult:
     acceptance_by_position: list[float]
     accept_length_counts: list[int]
     verified_tokens: int
+    verify_length_counts: list[int]
     seconds: float
 
 
@@ -112,7 +116,7 @@ class DecodeState:
     key: jax.Array
     rounds: jax.Array  # [B] rounds each request took part in
     accept_counts: jax.Array  # [B, γ + 1] histogram of correct_len
-    verified: jax.Array  # [B] tokens the target verified for each request (anchors included)
+    verify_counts: jax.Array  # [B, γ + 1] histogram of each request's verify length (1 … γ + 1)
 
 
 # ------------------------------------------------------------------ validation
@@ -349,6 +353,21 @@ def _check_schedule(table: Any, cfg, batch: int) -> jax.Array:
     return jnp.asarray(as_f32)
 
 
+VERIFY_RULES = ("per_request", "uniform")
+
+
+def _check_rule(rule: Any, table: Any) -> bool:
+    """Whether ``verify_rule`` is the uniform rule; raises on anything else than a rule
+    of :data:`VERIFY_RULES`, or on a non-default rule without a ``verify_schedule``."""
+    if not isinstance(rule, str):
+        raise TypeError(f"verify_rule={rule!r} is invalid: expected one of {VERIFY_RULES}")
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"verify_rule={rule!r} is invalid: expected one of {VERIFY_RULES}")
+    if rule != "per_request" and table is None:
+        raise ValueError(f"verify_rule={rule!r} needs a verify_schedule (the table the rule reads)")
+    return rule == "uniform"
+
+
 def _check_key(key: Any, batch: int) -> None:
     """One PRNG key (typed or raw); the rounds split it, so per-row keys are refused."""
     if key_rows(key, batch):
@@ -473,7 +492,7 @@ def _start(
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
         accept_counts=jnp.zeros((b, gamma + 1), jnp.int32),
-        verified=jnp.zeros((b,), jnp.int32),
+        verify_counts=jnp.zeros((b, gamma + 1), jnp.int32),
     )
 
 
@@ -486,8 +505,13 @@ def _round_step(
     sampling: bool,
     filter_width: int,
     feature_layers,
+    uniform_verify: bool = False,
 ) -> DecodeState:
-    """One round on merged modules: propose, verify, accept, commit, emit (traced)."""
+    """One round on merged modules: propose, verify, accept, commit, emit (traced).
+
+    ``uniform_verify``: with a ``verify_schedule``, every request verifies one scheduled
+    length (``schedule_verify_lengths(..., widths=verify_widths(γ + 1))``) instead of its own.
+    """
     active = ~state.done  # [B]
     key, k_prop, k_accept = jax.random.split(state.key, 3)
     block = propose_with(
@@ -512,7 +536,8 @@ def _round_step(
     else:
         # Finished rows carry no survival, so they take no share of the budget.
         confidence = jnp.where(active[:, None], block.confidence, 0.0)  # [B, γ]
-        verify_len = schedule_verify_lengths(confidence, requests.verify_schedule)  # [B] in [1, T]
+        widths = verify_widths(gamma + 1) if uniform_verify else None
+        verify_len = schedule_verify_lengths(confidence, requests.verify_schedule, widths=widths)  # [B] in [1, T]
         logits, features, target_cache = _verify_scheduled(
             target, tokens, positions, state.target_cache, active, verify_len, feature_layers
         )
@@ -534,6 +559,7 @@ def _round_step(
     out, n_out, done = _emit(state.out, state.n_out, emitted, count, state.done, requests)
     bonus = jnp.where(active, bonus, state.bonus)
     hit = (slot == correct_len[:, None]) & active[:, None]
+    verified = slot + 1 == (gamma + 1 if verify_len is None else verify_len[:, None])  # [B, T] one-hot length
     return DecodeState(
         target_cache=target_cache,
         context=context,
@@ -545,7 +571,7 @@ def _round_step(
         key=key,
         rounds=state.rounds + active.astype(jnp.int32),
         accept_counts=state.accept_counts + hit.astype(jnp.int32),
-        verified=state.verified + jnp.where(active, gamma + 1 if verify_len is None else verify_len, 0),
+        verify_counts=state.verify_counts + (verified & active[:, None]).astype(jnp.int32),
     )
 
 
@@ -590,15 +616,12 @@ def _round(
     *,
     target_def,
     draft_def,
-    sampling,
-    filter_width,
-    feature_layers,
+    uniform_verify,
+    **variant,
 ) -> DecodeState:
     """One round, one compiled call (the host loop reads the done flags in between)."""
     target, draft = _merge(target_def, target_state), _merge(draft_def, draft_state)
-    return _round_step(
-        target, draft, state, requests, sampling=sampling, filter_width=filter_width, feature_layers=feature_layers
-    )
+    return _round_step(target, draft, state, requests, uniform_verify=uniform_verify, **variant)
 
 
 def _all_rounds(
@@ -610,9 +633,8 @@ def _all_rounds(
     *,
     target_def,
     draft_def,
-    sampling,
-    filter_width,
-    feature_layers,
+    uniform_verify,
+    **variant,
 ) -> tuple[DecodeState, jax.Array]:
     """Every round in one compiled call: a ``while_loop`` until all rows are done."""
     target, draft = _merge(target_def, target_state), _merge(draft_def, draft_state)
@@ -623,9 +645,7 @@ def _all_rounds(
 
     def body(carry):
         state, rounds = carry
-        state = _round_step(
-            target, draft, state, requests, sampling=sampling, filter_width=filter_width, feature_layers=feature_layers
-        )
+        state = _round_step(target, draft, state, requests, uniform_verify=uniform_verify, **variant)
         return state, rounds + 1
 
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
@@ -633,7 +653,13 @@ def _all_rounds(
 
 @functools.lru_cache(maxsize=16)
 def _speculative_program(
-    target_def, draft_def, *, sampling: bool, filter_width: int, feature_layers: tuple[int, ...]
+    target_def,
+    draft_def,
+    *,
+    sampling: bool,
+    filter_width: int,
+    feature_layers: tuple[int, ...],
+    uniform_verify: bool = False,
 ) -> _Program:
     """The compiled calls of one model pair and decoding variant, built once and reused.
 
@@ -650,8 +676,10 @@ def _speculative_program(
     )
     return _Program(
         start=jax.jit(functools.partial(_start, **static), static_argnames=("capacity", "out_len")),
-        step=jax.jit(functools.partial(_round, **static), donate_argnames=("state",)),
-        loop=jax.jit(functools.partial(_all_rounds, **static), donate_argnames=("state",)),
+        step=jax.jit(functools.partial(_round, uniform_verify=uniform_verify, **static), donate_argnames=("state",)),
+        loop=jax.jit(
+            functools.partial(_all_rounds, uniform_verify=uniform_verify, **static), donate_argnames=("state",)
+        ),
     )
 
 
@@ -669,6 +697,7 @@ def speculative_generate(
     capacity: int | None = None,
     device_loop: bool = False,
     verify_schedule: Any = None,
+    verify_rule: str = "per_request",
 ) -> GenerationResult:
     """Generates with the draft proposing and the target verifying; output is the target's.
 
@@ -702,6 +731,12 @@ def speculative_generate(
         request's slots past its length are neither computed into its accept nor cached.
         Needs a draft with a confidence head. Still lossless: greedy output equals
         plain greedy decoding, sampled output keeps the target's law.
+        :func:`measure_verify_schedule` measures such a table.
+      verify_rule: with ``verify_schedule``, ``"per_request"`` (the spec's rule above) or
+        ``"uniform"``: every request verifies the one width of :func:`verify_widths` that
+        maximises ``(B + expected accepted drafts) · table[B·width]``, the rule that fits
+        a dense target (which pays for the width times the batch, whatever each request
+        needs). Same losslessness.
 
     Returns:
       A :class:`GenerationResult`.
@@ -728,6 +763,7 @@ def speculative_generate(
     )
     _check_key(key, len(prompts))
     device_loop = _check_flag("device_loop", device_loop)
+    uniform_verify = _check_rule(verify_rule, verify_schedule)
     if verify_schedule is not None:
         requests = requests.replace(verify_schedule=_check_schedule(verify_schedule, draft.cfg, len(prompts)))
     max_new = np.asarray(requests.max_new)
@@ -742,6 +778,7 @@ def speculative_generate(
         target_def,
         draft_def,
         feature_layers=tuple(draft.cfg.target_layer_ids),
+        uniform_verify=uniform_verify,
         **_variant(requests, target.config.vocab_size),
     )
     state = program.start(
@@ -766,6 +803,101 @@ def speculative_generate(
     return _result(state, max_new, requests, rounds, started)
 
 
+def measure_verify_schedule(
+    target: Target,
+    draft: DSparkDraft,
+    batch: int,
+    *,
+    prompt_len: int = 64,
+    rounds: int = 10,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> np.ndarray:
+    """Measures a ``verify_schedule`` table for this pair, batch and device.
+
+    Decodes ``batch`` random prompts of ``prompt_len`` tokens with every request forced to
+    verify ``w`` tokens per round, for each width ``w`` of :func:`verify_widths` (``γ + 1``),
+    through the same compiled round that ``speculative_generate`` runs with a schedule:
+    one compilation, then ``rounds`` timed rounds per width after one untimed round, each
+    waited for. A dense target pays for the round's width whatever each request verifies,
+    so ``table[t]`` is one over the median round at the narrowest width holding
+    ``⌈t / B⌉`` tokens per request: exact for ``verify_rule="uniform"`` (``t = B·w``), a
+    lower bound on the per-request rule's cost when its lengths are ragged.
+
+    Args:
+      target: a :class:`~dspark_jax.target.Target`.
+      draft: a :class:`~dspark_jax.draft.DSparkDraft` with a confidence head.
+      batch: requests per round (the ``B`` the table will serve).
+      prompt_len: tokens of context per request before the timed rounds.
+      rounds: timed rounds per width.
+      temperature: the requests' temperature (0 = greedy rounds, > 0 = sampling rounds).
+      seed: the prompts' and the sampling key's seed.
+
+    Returns:
+      ``[B·(γ + 1) + 1]`` float32 steps (rounds) per second, indexed by tokens verified.
+
+    Raises:
+      TypeError: ``target`` or ``draft`` is not a model of its kind.
+      ValueError: a count below 1, a bad temperature, a draft without a confidence head,
+        or positions past either model's ``max_position_embeddings``.
+    """
+    _check_models(target, draft)
+    check_pair(draft.cfg, target.config)
+    batch, prompt_len, rounds = (
+        positive_int(n, v) for n, v in [("batch", batch), ("prompt_len", prompt_len), ("rounds", rounds)]
+    )
+    gamma = draft.cfg.gamma
+    widths = verify_widths(gamma + 1)
+    size = batch * (gamma + 1) + 1
+    _check_schedule(np.ones(size), draft.cfg, batch)  # the confidence head
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, target.config.vocab_size, (batch, prompt_len)).tolist()
+    steps = len(widths) * (rounds + 1)  # each round commits 1 … γ + 1 tokens per request
+    max_new = steps * (gamma + 1) + 1  # so no request finishes during the timed rounds
+    tokens, lengths, requests = _requests(prompts, target.config.vocab_size, max_new, temperature, None, 1.0, None)
+    _check_positions(
+        lengths,
+        np.asarray(requests.max_new),
+        gamma - 1,
+        dict(target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings),
+    )
+    target_def, target_state = _split(target)
+    draft_def, draft_state = _split(draft)
+    program = _speculative_program(
+        target_def,
+        draft_def,
+        feature_layers=tuple(draft.cfg.target_layer_ids),
+        uniform_verify=True,
+        **_variant(requests, target.config.vocab_size),
+    )
+    state = program.start(
+        target_state,
+        draft_state,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        requests,
+        jax.random.key(seed),
+        capacity=_capacity(None, lengths, np.asarray(requests.max_new), gamma + 1),
+        out_len=_bucket(max_new + gamma + 1),
+    )
+    seconds = []
+    for w in widths:
+        forced = np.zeros(size, np.float32)
+        forced[batch * w] = 1.0  # the uniform rule's only width of non-zero value
+        forced_requests = requests.replace(verify_schedule=jnp.asarray(forced))
+        before, times = np.asarray(state.verify_counts).sum(0), []  # [γ + 1]
+        for _ in range(rounds + 1):
+            began = time.perf_counter()
+            state = jax.block_until_ready(program.step(target_state, draft_state, state, forced_requests))
+            times.append(time.perf_counter() - began)
+        if (np.asarray(state.verify_counts).sum(0) - before)[w - 1] != batch * (rounds + 1):
+            raise RuntimeError(f"the rounds timed at width {w} did not all verify {w} tokens for every request")
+        seconds.append(float(np.median(times[1:])))
+    per_request = -(-np.arange(size) // batch)  # ⌈t / B⌉
+    narrowest = np.searchsorted(np.asarray(widths), np.maximum(per_request, 1))  # [N] index into widths
+    return (1.0 / np.asarray(seconds, np.float64)[narrowest]).astype(np.float32)
+
+
 def _cut(out: np.ndarray, n_out: np.ndarray, max_new: np.ndarray, stop: np.ndarray) -> list[list[int]]:
     """Each row's output up to its max_new_tokens and through its first stop token."""
     tokens = []
@@ -786,6 +918,7 @@ def _result(state: DecodeState, max_new, requests: Requests, rounds: int, starte
         tau = (committed / np.asarray(state.rounds)).tolist()
     total = counts.sum(0)  # [γ + 1]
     n = int(total.sum())
+    verify_counts = np.asarray(state.verify_counts).sum(0)  # [γ + 1]
     return GenerationResult(
         tokens=tokens,
         rounds=rounds,
@@ -793,7 +926,8 @@ def _result(state: DecodeState, max_new, requests: Requests, rounds: int, starte
         tau_overall=float(committed.sum() / n) if n else float("nan"),
         acceptance_by_position=[float(total[k:].sum() / max(n, 1)) for k in range(1, gamma + 1)],
         accept_length_counts=total.tolist(),
-        verified_tokens=int(np.asarray(state.verified).sum()),
+        verified_tokens=int(verify_counts @ np.arange(1, gamma + 2)),
+        verify_length_counts=verify_counts.tolist(),
         seconds=time.perf_counter() - started,
     )
 
@@ -943,4 +1077,5 @@ def generate(
         accept_length_counts=[],
         verified_tokens=int(np.asarray(state.n_out).sum()) - len(tokens),  # one per request-step
         seconds=time.perf_counter() - started,
+        verify_length_counts=[],
     )

@@ -500,7 +500,9 @@ def _unsort(ranked: jax.Array, order: jax.Array) -> jax.Array:
     return jnp.take_along_axis(ranked, inverse, axis=-1)
 
 
-def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) -> jax.Array:
+def schedule_verify_lengths(
+    confidence: jax.Array, steps_per_second: jax.Array, *, widths: tuple[int, ...] | None = None
+) -> jax.Array:
     """Confidence-scheduled verify lengths (``DSPARK_SPEC.md`` §5). Jittable.
 
     With survivals ``S[b, k] = Π_{j ≤ k} confidence[b, j]``, picks the global budget ``m``
@@ -508,19 +510,28 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
     each request the anchor plus its entries among the top ``m`` (a prefix, since
     survival never increases along a row; equal survivals go to the earlier slot).
 
+    With ``widths`` (the uniform rule, for a dense target whose cost is its width times
+    the batch whatever each row needs) every request verifies the same length: the ``w``
+    of ``widths`` maximising ``(B + Σ_b Σ_{k < w − 1} S[b, k]) · steps_per_second[B·w]``
+    (the anchor and ``w − 1`` drafts per row; ties go to the narrower width).
+
     Args:
       confidence: ``[B, γ]`` per-slot acceptance probabilities.
       steps_per_second: ``[N]`` measured decoding steps (whole rounds) per second when the
         batch verifies ``t`` tokens in total (anchors included), indexed by ``t``;
         ``N > B·(γ+1)``.
+      widths: ``None`` (the per-request rule above) or the verify lengths the uniform
+        rule chooses among: distinct integers in ``[1, γ+1]`` (static), e.g.
+        :func:`~dspark_jax.generation.verify_widths`.
 
     Returns:
       ``verify_len [B]`` int32 in ``[1, γ+1]``.
 
     Raises:
       ValueError: ``confidence`` is not ``[B, γ]``, ``steps_per_second`` not ``[N]`` with
-        ``N > B·(γ+1)``.
-      TypeError: either is not of a floating dtype.
+        ``N > B·(γ+1)``, ``widths`` empty, repeated or outside ``[1, γ+1]``.
+      TypeError: either array is not of a floating dtype; ``widths`` not a tuple of
+        integers.
     """
     if np.ndim(confidence) != 2 or np.ndim(steps_per_second) != 1:
         raise ValueError(
@@ -534,6 +545,8 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
             f"steps_per_second has {steps_per_second.shape[0]} entries: needs more than "
             f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
         )
+    if widths is not None:
+        return _uniform_verify_length(confidence, steps_per_second, _check_widths(widths, gamma))
     survival = jnp.cumprod(confidence.astype(jnp.float32), axis=-1).reshape(-1)  # [B·γ]
     order = jnp.argsort(-survival, stable=True)
     gain = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(survival[order])])  # [B·γ + 1]
@@ -542,3 +555,23 @@ def schedule_verify_lengths(confidence: jax.Array, steps_per_second: jax.Array) 
     best = jnp.argmax(value)
     chosen = _unsort(budget[1:] <= best, order).reshape(b, gamma)
     return (1 + jnp.sum(chosen, axis=-1)).astype(jnp.int32)
+
+
+def _check_widths(widths: Any, gamma: int) -> tuple[int, ...]:
+    """``widths`` as a tuple of distinct ints in ``[1, γ+1]``, or a named error."""
+    if not isinstance(widths, tuple) or not widths or not all(is_integer(w) for w in widths):
+        raise TypeError(f"widths={widths!r} is invalid: expected a non-empty tuple of integers (verify lengths)")
+    if len(set(widths)) != len(widths) or not all(1 <= w <= gamma + 1 for w in widths):
+        raise ValueError(f"widths={widths!r} is invalid: expected distinct integers in [1, γ+1] = [1, {gamma + 1}]")
+    return tuple(sorted(int(w) for w in widths))
+
+
+def _uniform_verify_length(confidence: jax.Array, steps_per_second: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+    """The uniform rule of :func:`schedule_verify_lengths`: one length for every row."""
+    b, gamma = confidence.shape
+    survival = jnp.cumprod(confidence.astype(jnp.float32), axis=-1)  # [B, γ]
+    # gain[j] = Σ_b Σ_{k < j} S[b, k]: the expected accepted drafts when each row verifies j of them.
+    gain = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.sum(survival, axis=0))])  # [γ + 1]
+    w = jnp.asarray(widths, jnp.int32)  # [W] ascending
+    value = (b + gain[w - 1]) * steps_per_second[b * w].astype(jnp.float32)  # [W]
+    return jnp.full((b,), w[jnp.argmax(value)], jnp.int32)  # argmax: the first (narrowest) of equals

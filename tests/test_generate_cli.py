@@ -14,7 +14,9 @@ from dspark_jax.target import Qwen3Target, save_target
 from dspark_jax.tokenizer import train_bpe
 
 
-def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
+def _save_pair(tmp_path, **draft_fields) -> list[str]:
+    """A tiny target (with its tokenizer) and draft saved under ``tmp_path``; returns the
+    ``generate`` command's checkpoint flags."""
     tokenizer = train_bpe(["the cat sat on the mat. the cat ate the rat."] * 3, vocab_size=270)
     vocab = tokenizer.vocab_size
     target = Qwen3Target(
@@ -43,11 +45,15 @@ def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
         mask_token_id=tokenizer.mask_id,
         target_layer_ids=(0, 1),
         markov_rank=8,
+        **draft_fields,
     )
     draft = DSparkDraft(draft_cfg, rngs=nnx.Rngs(1), embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     save_draft(draft, tmp_path / "draft")
+    return ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
 
-    argv = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+
+def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
+    argv = _save_pair(tmp_path)
     argv += ["--prompt", "the cat", "--prompt", "a rat", "--max-new-tokens", "6", "--no-stop", "--device-loop"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -57,6 +63,28 @@ def test_generate_command_prints_text_and_statistics(tmp_path, capsys):
     assert "\n--- 'a rat'\na rat" in out
     assert re.search(r"tau per request: \d+\.\d\d, \d+\.\d\d\n", out)
     assert re.search(r"rounds: \d+, new tokens: 12\n", out)
+    assert "verified per request-round" not in out
+
+
+def test_generate_with_a_measured_verify_schedule_prints_verify_lengths(tmp_path, capsys):
+    argv = _save_pair(tmp_path, enable_confidence_head=True)
+    argv += ["--prompt", "the cat", "--prompt", "a rat", "--max-new-tokens", "6", "--no-stop"]
+    assert main([*argv, "--verify-schedule", "uniform", "--compare"]) == 0
+    out = capsys.readouterr().out
+    lengths = re.search(
+        r"verified per request-round: (\d\.\d\d) \(request-rounds verifying 1 … 4 tokens: ([\d ]+)\)", out
+    )
+    counts = [int(c) for c in lengths.group(2).split()]
+    assert len(counts) == 4 and counts[2] == 0 and sum(counts) > 0  # the uniform rule: widths 1, 2, 4
+    mean = sum((j + 1) * c for j, c in enumerate(counts)) / sum(counts)
+    assert abs(mean - float(lengths.group(1))) < 0.006
+    assert "greedy outputs identical to plain decoding: True" in out
+
+
+def test_generate_refuses_a_verify_schedule_without_a_confidence_head(tmp_path, capsys):
+    argv = _save_pair(tmp_path) + ["--prompt", "the cat", "--verify-schedule", "per_request"]
+    assert main(argv) == 2
+    assert "dspark-jax generate: error: verify_schedule needs a draft with a confidence head" in capsys.readouterr().err
 
 
 def test_out_of_range_sampling_flags_are_refused_by_name_before_loading(tmp_path, capsys):

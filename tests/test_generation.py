@@ -14,7 +14,13 @@ from flax import nnx
 
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.generation import _verify_scheduled, generate, speculative_generate, verify_widths
+from dspark_jax.generation import (
+    _verify_scheduled,
+    generate,
+    measure_verify_schedule,
+    speculative_generate,
+    verify_widths,
+)
 from dspark_jax.target import Qwen3Target
 
 V = 24
@@ -143,15 +149,19 @@ def test_speculative_greedy_equals_plain_greedy(greedy_setup, case):
         assert counts[2:].sum() > 0  # and rounds accepting >= 2 drafts
 
 
+@pytest.mark.parametrize("rule", ["per_request", "uniform"])
 @pytest.mark.parametrize(
     ("cost", "verified"),
     [(0.0, "all"), (0.02, "some"), (0.3, "anchor")],
     ids=["flat-table", "falling-table", "steep-table"],
 )
-def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_pays_for(greedy_setup, cost, verified):
+def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_pays_for(
+    greedy_setup, cost, verified, rule
+):
     """``verify_schedule`` (DSPARK_SPEC §5): greedy output still equals plain greedy, host
     loop and device loop agree, and the target verifies all γ + 1 tokens when steps cost
-    nothing more per token, the anchor alone when they cost much, something between else."""
+    nothing more per token, the anchor alone when they cost much, something between else;
+    under the uniform rule every request of a round verifies one width of ``verify_widths``."""
     target, bigram, prompts, max_new, plain = greedy_setup
     rows = _case_batches(2)[0]  # γ = 4, batch 8
     draft = _rigged_draft(
@@ -167,6 +177,7 @@ def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_
         key=jax.random.key(1),
         capacity=CAPACITY,
         verify_schedule=table,
+        verify_rule=rule,
     )
     host, device = run(), run(device_loop=True)
     assert host.tokens == plain[rows] and device.tokens == plain[rows]
@@ -179,6 +190,11 @@ def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_
         assert request_rounds < host.verified_tokens < 5 * request_rounds
     if verified == "anchor":  # each round commits the target's own token only
         assert host.accept_length_counts[1:] == [0] * 4
+    lengths = np.asarray(host.verify_length_counts)  # [γ + 1] request-rounds by tokens verified
+    assert lengths.sum() == request_rounds and lengths @ np.arange(1, 6) == host.verified_tokens
+    assert host.verify_length_counts == device.verify_length_counts
+    if verified == "some":  # the uniform rule verifies widths 1, 2, 4 or 5 only; the spec's rule any length
+        assert (lengths[2] == 0) == (rule == "uniform"), lengths
 
 
 def test_scheduled_verify_runs_the_narrowest_width_and_caches_only_verified_slots():
@@ -300,11 +316,14 @@ def _tv_tolerance(want: np.ndarray, n: int) -> float:
 
 
 @pytest.mark.parametrize(
-    ("gamma", "scheduled"), [(2, False), (2, True), (1, False)], ids=["full", "scheduled", "gamma1"]
+    ("gamma", "scheduled"),
+    [(2, None), (2, "per_request"), (2, "uniform"), (1, None)],
+    ids=["full", "scheduled", "scheduled-uniform", "gamma1"],
 )
 def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch(gamma, scheduled):
     """The joint law of the first three tokens; ``scheduled`` verifies each request's
-    confidence-scheduled prefix of the block only (``verify_schedule``), which must keep it.
+    confidence-scheduled prefix of the block only (``verify_schedule`` under that
+    ``verify_rule``; the uniform rule, one length for the whole round), which must keep it.
     With γ = 1 the third token is the bonus of a round that accepted its draft, or the
     second round's first token: the bonus after a full acceptance is in the law."""
     target, bigram = _bigram_target(SV, context_scale=20.0, seed=3)
@@ -338,15 +357,20 @@ def test_speculative_sampling_matches_target_distribution_in_a_mixed_batch(gamma
         key=jax.random.key(11),
         capacity=16,
         verify_schedule=schedule,
+        verify_rule=scheduled or "per_request",
     )
     out = np.empty((len(temps), 3), np.int64)
     out[order] = np.asarray(result.tokens)
     counts = np.asarray(result.accept_length_counts)
-    assert (counts > 0).all()  # rejections, partial and full acceptances
+    lengths = np.asarray(result.verify_length_counts)  # [γ + 1] request-rounds by tokens verified
     request_rounds = int(counts.sum())
-    if scheduled:  # most rounds verified fewer than all γ + 1 = 3 tokens, some more than the anchor
-        assert request_rounds < result.verified_tokens < 2.5 * request_rounds, (result.verified_tokens, request_rounds)
+    if scheduled == "uniform":  # whole rounds verify 2 of the 3 tokens (the first) or the anchor alone
+        assert lengths[1] == len(temps) and lengths[2] == 0 and counts[0] > 0 and counts[1] > 0, (lengths, counts)
     else:
+        assert (counts > 0).all()  # rejections, partial and full acceptances
+    if scheduled == "per_request":  # most rounds verified fewer than all γ + 1 = 3 tokens, some more than the anchor
+        assert request_rounds < result.verified_tokens < 2.5 * request_rounds, (result.verified_tokens, request_rounds)
+    elif not scheduled:
         assert result.verified_tokens == (gamma + 1) * request_rounds
     start = 0
     for n, t, k, p in groups:
@@ -470,6 +494,91 @@ def test_a_verify_schedule_needs_a_confidence_head(small_pair):
     target, draft = small_pair
     with pytest.raises(ValueError, match=r"verify_schedule needs a draft with a confidence head"):
         speculative_generate(target, draft, [[1]], max_new_tokens=2, key=jax.random.key(0), verify_schedule=np.ones(9))
+
+
+@pytest.mark.parametrize(
+    "rule, table, error, message",
+    [
+        (
+            "dense",
+            np.ones(9),
+            ValueError,
+            r"verify_rule='dense' is invalid: expected one of \('per_request', 'uniform'\)",
+        ),
+        (1, np.ones(9), TypeError, r"verify_rule=1 is invalid: expected one of"),
+        ("uniform", None, ValueError, r"verify_rule='uniform' needs a verify_schedule"),
+    ],
+)
+def test_bad_verify_rules_are_refused_by_name(rule, table, error, message):
+    target, bigram = _bigram_target(V, context_scale=1.0)
+    draft = _rigged_draft(
+        target, bigram, gamma=3, sample_from_anchor=True, keep=0.5, strength=5.0, enable_confidence_head=True
+    )
+    with pytest.raises(error, match=message):
+        speculative_generate(
+            target, draft, [[1, 2]], max_new_tokens=2, key=jax.random.key(0), verify_schedule=table, verify_rule=rule
+        )
+
+
+def test_measure_verify_schedule_prices_each_total_at_the_narrowest_width_holding_it(greedy_setup):
+    """The measured table is positive, one value per width of ``verify_widths`` (γ = 4:
+    1, 2, 4, 5 tokens per request) over the totals that width holds, and the greedy
+    output scheduled with it, under either rule, is still plain greedy."""
+    target, bigram, prompts, max_new, plain = greedy_setup
+    first = _case_batches(2)[0].start
+    rows = slice(first, first + 3)
+    draft = _rigged_draft(
+        target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0, enable_confidence_head=True
+    )
+    table = measure_verify_schedule(target, draft, 3, prompt_len=4, rounds=2)
+    assert table.shape == (3 * 5 + 1,) and table.dtype == np.float32
+    assert np.isfinite(table).all() and (table > 0).all()
+    for lo, hi in ((0, 3), (4, 6), (7, 12), (13, 15)):  # totals t whose ⌈t / 3⌉ needs width 1, 2, 4, 5
+        assert (table[lo : hi + 1] == table[lo]).all(), (lo, hi, table)
+    assert len(set(table[[0, 4, 7, 13]].tolist())) == 4  # four widths, four timings
+    for rule in ("per_request", "uniform"):
+        out = speculative_generate(
+            target,
+            draft,
+            prompts[rows],
+            max_new_tokens=max_new[rows].tolist(),
+            key=jax.random.key(1),
+            capacity=CAPACITY,
+            verify_schedule=table,
+            verify_rule=rule,
+        )
+        assert out.tokens == plain[rows]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(batch=0), ValueError, "batch=0 is invalid"),
+        (dict(rounds=True), ValueError, "rounds=True is invalid"),
+        (dict(prompt_len=61), ValueError, "max_position_embeddings"),
+        (dict(temperature=-1.0), ValueError, r"temperature\[0\]=-1.0 is invalid"),
+    ],
+)
+def test_measure_verify_schedule_refuses_bad_input_by_name(kwargs, error, message):
+    target, bigram = _bigram_target(V, context_scale=1.0)
+    draft = _rigged_draft(
+        target,
+        bigram,
+        gamma=3,
+        sample_from_anchor=True,
+        keep=0.5,
+        strength=5.0,
+        enable_confidence_head=True,
+        max_position_embeddings=64,
+    )
+    args = dict(batch=2, prompt_len=4, rounds=1) | kwargs
+    with pytest.raises(error, match=message):
+        measure_verify_schedule(target, draft, **args)
+
+
+def test_measure_verify_schedule_needs_a_confidence_head(small_pair):
+    with pytest.raises(ValueError, match="verify_schedule needs a draft with a confidence head"):
+        measure_verify_schedule(*small_pair, 2)
 
 
 def test_models_of_the_wrong_kind_are_type_errors_naming_the_argument(small_pair):

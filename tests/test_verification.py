@@ -330,6 +330,44 @@ def test_schedule_verify_lengths_maximises_throughput_over_all_prefix_choices():
         np.testing.assert_allclose(value(got), best, rtol=1e-5)
 
 
+def test_uniform_rule_gives_every_row_the_width_that_maximises_throughput():
+    """``widths=``: one length for all rows, the best of ``widths`` by the dense value
+    ``(B + Σ_b Σ_{k < w − 1} S[b, k]) · sps[B·w]`` (a NumPy brute force), the narrower
+    width on a tie."""
+    rng = np.random.default_rng(5)
+    b, gamma = 3, 4
+    widths = (1, 2, 4, 5)
+    chosen = set()
+    for trial in range(12):
+        conf = rng.random((b, gamma)).astype(np.float32) ** (0.2 + 0.3 * (trial % 4))
+        sps = (100.0 / (1 + 0.05 * trial * np.arange(b * (gamma + 1) + 1) ** 1.2)).astype(np.float32)
+        got = np.asarray(schedule_verify_lengths(jnp.asarray(conf), jnp.asarray(sps), widths=widths))
+        surv = np.cumprod(conf.astype(np.float64), -1)
+        value = {w: (b + surv[:, : w - 1].sum()) * sps[b * w] for w in widths}
+        assert got.dtype == np.int32 and (got == got[0]).all() and got[0] in widths
+        np.testing.assert_allclose(value[int(got[0])], max(value.values()), rtol=1e-5)
+        chosen.add(int(got[0]))
+    assert len(chosen) >= 3, chosen  # the cases reach several widths
+    flat = np.asarray(schedule_verify_lengths(jnp.zeros((b, gamma)), jnp.ones(16), widths=(4, 2, 5)))
+    assert flat.tolist() == [2, 2, 2]  # every width equal (no survival, flat table): the narrowest
+
+
+@pytest.mark.parametrize(
+    "widths, error, message",
+    [
+        ((), TypeError, r"widths=\(\) is invalid: expected a non-empty tuple of integers"),
+        ([1, 2], TypeError, r"widths=\[1, 2\] is invalid: expected a non-empty tuple"),
+        ((1, 2.0), TypeError, "expected a non-empty tuple of integers"),
+        ((1, 1), ValueError, r"widths=\(1, 1\) is invalid: expected distinct integers in \[1, γ\+1\] = \[1, 4\]"),
+        ((0, 2), ValueError, "expected distinct integers in"),
+        ((2, 5), ValueError, "expected distinct integers in"),
+    ],
+)
+def test_uniform_rule_refuses_bad_widths_by_name(widths, error, message):
+    with pytest.raises(error, match=message):
+        schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((9,)), widths=widths)
+
+
 def test_schedule_verify_lengths_rejects_short_table():
     with pytest.raises(ValueError, match="steps_per_second"):
         schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((5,)))
