@@ -746,13 +746,14 @@ def speculative_generate(
         swapped); a value of the wrong kind: a bool, string or float where an integer is
         expected, a bool or string where a number is, a ``device_loop`` that is not a
         bool, ``stop_tokens`` that are neither a list of ids nor one list per request,
-        or a key per row.
+        a ``verify_rule`` that is not a string, or a key per row.
       ValueError: a value out of range (ids outside the vocabulary, ``max_new_tokens`` or
         ``top_k`` outside ``[1, 2**31 − 1]``, …), a wrong number of per-request values, a
         ``capacity`` too small, a draft that does not fit the target, or a request whose
         prompt + max_new_tokens + γ − 1 positions exceed the target's or the draft's
         ``max_position_embeddings`` (the last round verifies γ − 1 positions past the
-        output).
+        output), a ``verify_rule`` not in :data:`VERIFY_RULES` or ``"uniform"`` without a
+        ``verify_schedule``.
     """
     started = time.perf_counter()
     _check_models(target, draft)
@@ -852,15 +853,20 @@ def measure_verify_schedule(
     _check_schedule(np.ones(size), draft.cfg, batch)  # the confidence head
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, target.config.vocab_size, (batch, prompt_len)).tolist()
-    steps = len(widths) * (rounds + 1)  # each round commits 1 … γ + 1 tokens per request
-    max_new = steps * (gamma + 1) + 1  # so no request finishes during the timed rounds
+    # Each width decodes afresh from the prompts; a round commits 1 … γ + 1 tokens per
+    # request, so none finishes before its last timed round.
+    max_new = (rounds + 1) * (gamma + 1) + 1
     tokens, lengths, requests = _requests(prompts, target.config.vocab_size, max_new, temperature, None, 1.0, None)
-    _check_positions(
-        lengths,
-        np.asarray(requests.max_new),
-        gamma - 1,
-        dict(target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings),
+    limits = dict(
+        target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings
     )
+    need = prompt_len + max_new + gamma - 1
+    over = " and ".join(f"the {name}'s max_position_embeddings={n}" for name, n in limits.items() if n and need > n)
+    if over:
+        raise ValueError(
+            f"prompt_len={prompt_len} and rounds={rounds} need prompt_len + (rounds + 1)·(γ + 1) + γ = {need} "
+            f"positions (γ = {gamma}), past {over}: lower prompt_len or rounds"
+        )
     target_def, target_state = _split(target)
     draft_def, draft_state = _split(draft)
     program = _speculative_program(
@@ -870,7 +876,8 @@ def measure_verify_schedule(
         uniform_verify=True,
         **_variant(requests, target.config.vocab_size),
     )
-    state = program.start(
+    start = functools.partial(
+        program.start,
         target_state,
         draft_state,
         jnp.asarray(tokens),
@@ -882,6 +889,7 @@ def measure_verify_schedule(
     )
     seconds = []
     for w in widths:
+        state = start()
         forced = np.zeros(size, np.float32)
         forced[batch * w] = 1.0  # the uniform rule's only width of non-zero value
         forced_requests = requests.replace(verify_schedule=jnp.asarray(forced))

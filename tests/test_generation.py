@@ -555,7 +555,12 @@ def test_measure_verify_schedule_prices_each_total_at_the_narrowest_width_holdin
     [
         (dict(batch=0), ValueError, "batch=0 is invalid"),
         (dict(rounds=True), ValueError, "rounds=True is invalid"),
-        (dict(prompt_len=61), ValueError, "max_position_embeddings"),
+        (
+            dict(prompt_len=54),
+            ValueError,
+            r"prompt_len=54 and rounds=1 need prompt_len \+ \(rounds \+ 1\)·\(γ \+ 1\) \+ γ = 65 positions \(γ = 3\), "
+            r"past the draft.s max_position_embeddings=64: lower prompt_len or rounds",
+        ),
         (dict(temperature=-1.0), ValueError, r"temperature\[0\]=-1.0 is invalid"),
     ],
 )
