@@ -108,11 +108,16 @@ class MarkovHead(nnx.Module):
 
 
 class VanillaMarkovHead(MarkovHead):
+    """``bias = proj(markov_w1[prev])``: the previous token alone (no state, no hidden)."""
+
     def _latent(self, state, e, h):
         return e, state
 
 
 class GatedMarkovHead(MarkovHead):
+    """``bias = proj(sigmoid(gate_proj([h ; e])) ⊙ e)``: the slot's hidden ``h [B, H]`` gates
+    the previous token's ``e [B, r]`` (``gate_proj``: ``H + r → r`` with bias, hidden first)."""
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         self.gate_proj = nnx.Linear(
@@ -131,6 +136,10 @@ class GatedMarkovHead(MarkovHead):
 
 
 class RNNMarkovHead(MarkovHead):
+    """A gated recurrent state ``s [B, r]`` across the block's γ steps, from 0:
+    ``g, c, o = joint_proj([s ; e ; h])`` (``2r + H → 3r`` with bias, chunks in that order),
+    ``s' = σ(g)·s + (1 − σ(g))·tanh(c)``, ``bias = proj(tanh(o))``; the state in float32."""
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         r = cfg.markov_rank
