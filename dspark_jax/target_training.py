@@ -42,6 +42,7 @@ from dspark_jax.train import (
     check_resume_settings,
     check_schedule_fields,
     check_token_stream,
+    check_training_memory,
     fit,
     optimizer_for,
     positive_seconds,
@@ -109,6 +110,25 @@ def check_window_fits(cfg: TargetConfig, seq_len: int) -> None:
         )
 
 
+def check_target_memory(cfg: TargetConfig, tcfg: TargetTrainConfig, *, sizes: str | None = None) -> int:
+    """:func:`~dspark_jax.train.check_training_memory` for a target: its parameters and one
+    step's float32 logits ``[batch_size, seq_len, V]``. ``sizes`` names the settings in the
+    message (default: the config's and ``tcfg``'s fields)."""
+    if sizes is None:
+        sizes = (
+            f"hidden_size={cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, "
+            f"num_hidden_layers={cfg.num_hidden_layers}, vocab_size={cfg.vocab_size}, "
+            f"batch_size={tcfg.batch_size}, seq_len={tcfg.seq_len}"
+        )
+    logits = 4 * tcfg.batch_size * tcfg.seq_len * cfg.vocab_size
+    return check_training_memory(
+        sizes,
+        lambda n: Qwen3Target(dataclasses.replace(cfg, num_hidden_layers=n), rngs=nnx.Rngs(0)),
+        cfg.num_hidden_layers,
+        activations=("float32 logits", logits),
+    )
+
+
 def train_target(
     cfg: TargetConfig,
     tokens: np.ndarray,
@@ -135,12 +155,14 @@ def train_target(
       A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
 
     Raises:
-      ValueError: ``seq_len`` does not fit the positions, a bad token stream, ``resume``
+      ValueError: ``seq_len`` does not fit the positions, the model and one step's logits
+        cannot fit in free memory (:func:`check_target_memory`), a bad token stream, ``resume``
         without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, a checkpoint
         that cannot be resumed (naming the settings that differ), or a loss or parameters
         that become NaN or infinite (naming the step and the loss).
     """
     check_window_fits(cfg, tcfg.seq_len)
+    check_target_memory(cfg, tcfg)
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
@@ -275,6 +297,11 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     check_window_fits(cfg, tcfg.seq_len)
+    # The BPE may come out smaller than asked: until it exists, count the smallest vocabulary.
+    known = cfg if tokenizer is not None else dataclasses.replace(cfg, vocab_size=MIN_VOCAB_SIZE)
+    flags = "--hidden-size, --intermediate-size, --layers, --heads, --kv-heads, --head-dim, --batch, --seq-len"
+    sizes = ", ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in flags.split(", "))
+    check_target_memory(known, tcfg, sizes=f"{sizes} (vocabulary {known.vocab_size})")
     checkpoint_dir = os.path.join(args.out, "checkpoint")
     if tokenizer is not None:  # resuming with the saved tokenizer: every setting is known now
         check_resume_settings(checkpoint_dir, target_run_meta(cfg, tcfg))

@@ -290,6 +290,60 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+TRAINING_BYTES_PER_PARAM = 16  # float32 weights, gradients and AdamW's two moments
+
+
+def check_training_memory(
+    sizes: str,
+    build: Callable[[int], nnx.Module],
+    layers: int,
+    *,
+    activations: tuple[str, int] | None = None,
+    free: int | None = None,
+) -> int:
+    """Refuses, before anything is allocated, a training run that cannot fit in memory.
+
+    The lower bound counts the ``nnx.Param`` leaves of the model at :data:`TRAINING_BYTES_PER_PARAM`
+    bytes each, plus the ``activations`` bytes named there (a tensor every step must hold);
+    the run needs more. The count comes from ``build(1)`` and ``build(2)``, traced, never
+    built (``nnx.eval_shape``): every decoder layer holds the same parameters, so ``layers``
+    of them hold ``p(1) + (layers − 1)·(p(2) − p(1))``, at any depth in the same time.
+
+    Args:
+      sizes: the settings that set the sizes, named as the user gave them (flags).
+      build: makes the model to be trained with the given number of decoder layers.
+      layers: the model's decoder layers.
+      activations: ``(what, bytes)`` of one step's largest tensor, or ``None``.
+      free: the free bytes to compare with; default the first device's
+        (:func:`~dspark_jax.memory_gate.free_device_bytes`; no check when unknown).
+
+    Returns:
+      The lower bound in bytes.
+
+    Raises:
+      ValueError: the lower bound exceeds the free memory, naming ``sizes`` and both parts.
+    """
+    from dspark_jax.memory_gate import free_device_bytes
+
+    one, two = (
+        sum(leaf.size for leaf in jax.tree.leaves(nnx.state(nnx.eval_shape(functools.partial(build, n)), nnx.Param)))
+        for n in (1, 2)
+    )
+    params = one + (layers - 1) * (two - one)
+    what, extra = activations or ("", 0)
+    need = TRAINING_BYTES_PER_PARAM * params + extra
+    free = free_device_bytes() if free is None else free
+    if free is not None and need > free:
+        parts = f"{params:,} parameters at {TRAINING_BYTES_PER_PARAM} bytes: float32 weights, gradients, AdamW moments"
+        if extra:
+            parts += f" + {extra / 1e9:.2f} GB of {what}"
+        raise ValueError(
+            f"{sizes}: training needs at least {need / 1e9:.2f} GB ({parts}), more than the "
+            f"{free / 1e9:.2f} GB free on {jax.devices()[0].platform}; lower these sizes"
+        )
+    return need
+
+
 def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
     """Refuses an output folder that a training command would overwrite by accident.
 
@@ -846,7 +900,8 @@ def train_draft(
       A :class:`TrainResult` with the draft and the metric history of the steps run.
 
     Raises:
-      ValueError: the draft does not fit the target; ``tcfg.anchors_per_seq`` above the
+      ValueError: the draft does not fit the target, or it and one step's logits cannot fit
+        in free memory (:func:`check_draft_memory`); ``tcfg.anchors_per_seq`` above the
         distinct anchor positions of a sequence; a bad token stream or ``distilled`` array;
         ``distilled`` with ``tcfg.batch_size < 2`` (no batch row would come from it);
         ``resume`` without ``checkpoint_dir``; ``stop_at`` or ``max_seconds`` out of range;
@@ -873,6 +928,7 @@ def train_draft(
     if not 0 < end <= tcfg.steps:
         raise ValueError(f"stop_at={stop_at!r} is invalid: must lie in 1..steps={tcfg.steps}")
     check_max_seconds(max_seconds)
+    check_draft_memory(draft_cfg, target, tcfg)
 
     draft = _new_draft(draft_cfg, target, tcfg.seed)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
@@ -910,6 +966,24 @@ def train_draft(
 def draft_run_meta(draft_cfg: DraftConfig, tcfg: DraftTrainConfig) -> dict[str, Any]:
     """The settings a draft training checkpoint records; resuming needs them unchanged."""
     return {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
+
+
+def check_draft_memory(draft_cfg: DraftConfig, target, tcfg: DraftTrainConfig, *, sizes: str | None = None) -> int:
+    """:func:`check_training_memory` for a draft trained against ``target``: the draft's own
+    parameters and one step's float32 logits ``[batch_size, anchors_per_seq·rows, V]``.
+    ``sizes`` names the settings in the message (default: the fields that set them)."""
+    if sizes is None:
+        sizes = (
+            f"num_hidden_layers={draft_cfg.num_hidden_layers}, markov_rank={draft_cfg.markov_rank}, "
+            f"block_size={draft_cfg.block_size}, batch_size={tcfg.batch_size}, anchors_per_seq={tcfg.anchors_per_seq}"
+        )
+    rows = tcfg.batch_size * tcfg.anchors_per_seq * draft_cfg.num_query_rows
+    return check_training_memory(
+        sizes,
+        lambda n: _new_draft(dataclasses.replace(draft_cfg, num_hidden_layers=n), target, 0),
+        draft_cfg.num_hidden_layers,
+        activations=("float32 logits", 4 * rows * draft_cfg.vocab_size),
+    )
 
 
 def _new_draft(draft_cfg: DraftConfig, target, seed: int):
@@ -1121,6 +1195,14 @@ def run(args: argparse.Namespace) -> int:
     checkpoint_dir = os.path.join(args.out, "checkpoint")
     if args.resume:
         check_resume_settings(checkpoint_dir, draft_run_meta(draft_cfg, tcfg))
+    origin = f"--draft-config {args.draft_config}" if args.draft_config else "--layers, --markov-rank, --gamma"
+    check_draft_memory(
+        draft_cfg,
+        target,
+        tcfg,
+        sizes=f"{origin} ({draft_cfg.num_hidden_layers} layers, Markov rank {draft_cfg.markov_rank}, "
+        f"γ {draft_cfg.gamma}), --batch {tcfg.batch_size}, --anchors {tcfg.anchors_per_seq}",
+    )
     corpus = load_corpus()
     print(f"encoding {len(corpus.train_files)} training files …", file=sys.stderr)
     tokens = encode_documents(tokenizer, corpus.texts("train"))

@@ -5,17 +5,21 @@ before them, so reaching one is a failure.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from draft_testing import TRAINING_TARGET
+from flax import nnx
 
 from dspark_jax import target_training, train
+from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import train_bpe
 from dspark_jax.train import CHECKPOINT_META, DraftTrainConfig, TrainResult, default_draft_config, fit, train_draft
 
@@ -406,7 +410,7 @@ def test_train_draft_cli_saves_no_draft_whose_heldout_scores_are_not_finite(tmp_
     """Finite but huge parameters (a huge --lr) pass the training checks and score NaN."""
     _stub_corpus(monkeypatch)
     monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
-    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: types.SimpleNamespace(config=TARGET_CFG))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
     monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=None, history={}, step=3))
     monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": np.nan, "tv": 1.0, "bce": np.inf})
     monkeypatch.setattr("dspark_jax.checkpoint.save_draft", _must_not_run)
@@ -471,3 +475,71 @@ def test_train_target_warns_when_the_bpe_comes_out_smaller(tmp_path, monkeypatch
         target_training.run(_parse(target_training, ["--out", str(tmp_path / "out"), "--vocab-size", "400"]))
     err = capsys.readouterr().err
     assert re.search(r"warning: --vocab-size 400 asked, but the BPE has \d+ ids", err), err
+
+
+# --------------------------------------------------------------------------- memory
+def _param_count(module) -> int:
+    return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def test_training_memory_bound_counts_every_parameter_at_any_depth():
+    """The bound, from one- and two-layer traces, equals 16 bytes per parameter of the
+    built model plus the step's float32 logits, for a target and a draft of 3 layers."""
+    cfg = dataclasses.replace(TARGET_CFG, num_hidden_layers=3)
+    tcfg = target_training.TargetTrainConfig(batch_size=2, seq_len=8)
+    target = Qwen3Target(cfg, rngs=nnx.Rngs(0))
+    want = 16 * _param_count(target) + 4 * 2 * 8 * cfg.vocab_size
+    assert target_training.check_target_memory(cfg, tcfg) == want
+    draft_cfg = default_draft_config(cfg, mask_token_id=31, gamma=4, markov_rank=8, num_layers=3)
+    dcfg = DraftTrainConfig(batch_size=2, seq_len=24, anchors_per_seq=3)
+    draft = train._new_draft(draft_cfg, target, 0)
+    _, params, _ = nnx.split(draft, nnx.Param, ...)  # what training updates (not the borrowed tables)
+    trained = sum(leaf.size for leaf in jax.tree.leaves(params))
+    rows = 2 * 3 * draft_cfg.num_query_rows
+    assert train.check_draft_memory(draft_cfg, target, dcfg) == 16 * trained + 4 * rows * cfg.vocab_size
+
+
+def test_train_target_refuses_a_model_beyond_free_memory_before_building_it(monkeypatch):
+    monkeypatch.setattr("dspark_jax.memory_gate.free_device_bytes", lambda device=None: 1000)
+    monkeypatch.setattr(target_training, "Qwen3Target", _must_not_run_outside_tracing(target_training.Qwen3Target))
+    tcfg = target_training.TargetTrainConfig(steps=1, batch_size=2, seq_len=8)
+    want = f"hidden_size={TARGET_CFG.hidden_size}, intermediate_size={TARGET_CFG.intermediate_size}, "
+    with pytest.raises(
+        ValueError, match=re.escape(want) + r".*training needs at least \d+\.\d\d GB .* more than the 0\.00 GB free"
+    ):
+        target_training.train_target(TARGET_CFG, np.zeros(64, np.int32), tcfg, progress=False)
+
+
+def _must_not_run_outside_tracing(cls):
+    """``cls``, but building one for real (outside ``nnx.eval_shape``) raises :class:`Reached`."""
+
+    def build(cfg, *, rngs):
+        module = cls(cfg, rngs=rngs)
+        if not isinstance(jax.tree.leaves(nnx.state(module))[0], jax.core.Tracer):
+            raise Reached("the model was built before its memory was checked")
+        return module
+
+    return build
+
+
+def test_train_target_cli_refuses_sizes_beyond_free_memory_before_any_work(tmp_path, no_work, monkeypatch):
+    monkeypatch.setattr("dspark_jax.memory_gate.free_device_bytes", lambda device=None: 8 * 10**9)
+    out = tmp_path / "out"
+    args = _parse(target_training, ["--out", str(out), "--hidden-size", "1000000"])
+    want = (
+        "--hidden-size 1000000, --intermediate-size 576, --layers 4, --heads 4, --kv-heads 2, --head-dim 48, "
+        "--batch 64, --seq-len 256 (vocabulary 258): training needs at least 151.74 GB (9,483,000,384 parameters "
+    )
+    with pytest.raises(ValueError, match=re.escape(want) + r".*more than the 8\.00 GB free on cpu; lower these sizes"):
+        target_training.run(args)
+    assert not out.exists()
+
+
+def test_train_draft_cli_refuses_sizes_beyond_free_memory_before_reading_the_corpus(tmp_path, no_work, monkeypatch):
+    monkeypatch.setattr("dspark_jax.memory_gate.free_device_bytes", lambda device=None: 8 * 10**9)
+    monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
+    want = "--layers, --markov-rank, --gamma (100000 layers, Markov rank 64, γ 7), --batch 16, --anchors 32: "
+    with pytest.raises(ValueError, match=re.escape(want) + "training needs at least"):
+        train.run(_draft_args(tmp_path, "--layers", "100000"))
+    assert not (tmp_path / "draft").exists()
