@@ -683,6 +683,43 @@ def _speculative_program(
     )
 
 
+def _position_limits(target, draft) -> dict[str, int | None]:
+    """Each model's ``max_position_embeddings`` (``None`` where its config has none)."""
+    return dict(target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings)
+
+
+def _launch(target, draft, tokens, lengths, requests, key, *, capacity, out_len, uniform_verify) -> _Program:
+    """The compiled calls of this pair and batch, bound to the models' states and the batch.
+
+    Returns a :class:`_Program` of ``start() -> state``, ``step(state, requests) -> state``
+    and ``loop(state, requests, max_rounds) -> (state, rounds)``.
+    """
+    target_def, target_state = _split(target)
+    draft_def, draft_state = _split(draft)
+    program = _speculative_program(
+        target_def,
+        draft_def,
+        feature_layers=tuple(draft.cfg.target_layer_ids),
+        uniform_verify=uniform_verify,
+        **_variant(requests, target.config.vocab_size),
+    )
+    return _Program(
+        start=functools.partial(
+            program.start,
+            target_state,
+            draft_state,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths),
+            requests,
+            key,
+            capacity=capacity,
+            out_len=out_len,
+        ),
+        step=functools.partial(program.step, target_state, draft_state),
+        loop=functools.partial(program.loop, target_state, draft_state),
+    )
+
+
 def speculative_generate(
     target: Target,
     draft: DSparkDraft,
@@ -768,38 +805,27 @@ def speculative_generate(
     if verify_schedule is not None:
         requests = requests.replace(verify_schedule=_check_schedule(verify_schedule, draft.cfg, len(prompts)))
     max_new = np.asarray(requests.max_new)
-    limits = dict(
-        target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings
-    )
-    _check_positions(lengths, max_new, gamma - 1, limits)
-    capacity = _capacity(capacity, lengths, max_new, gamma + 1)
-    target_def, target_state = _split(target)
-    draft_def, draft_state = _split(draft)
-    program = _speculative_program(
-        target_def,
-        draft_def,
-        feature_layers=tuple(draft.cfg.target_layer_ids),
-        uniform_verify=uniform_verify,
-        **_variant(requests, target.config.vocab_size),
-    )
-    state = program.start(
-        target_state,
-        draft_state,
-        jnp.asarray(tokens),
-        jnp.asarray(lengths),
+    _check_positions(lengths, max_new, gamma - 1, _position_limits(target, draft))
+    program = _launch(
+        target,
+        draft,
+        tokens,
+        lengths,
         requests,
         key,
-        capacity=capacity,
+        capacity=_capacity(capacity, lengths, max_new, gamma + 1),
         out_len=_bucket(int(max_new.max()) + gamma + 1),
+        uniform_verify=uniform_verify,
     )
+    state = program.start()
     # Each round commits >= 1 token per active request, so max_new rounds always suffice.
     max_rounds = int(max_new.max())
     if device_loop:
-        state, rounds = program.loop(target_state, draft_state, state, requests, jnp.int32(max_rounds))
+        state, rounds = program.loop(state, requests, jnp.int32(max_rounds))
         return _result(state, max_new, requests, int(rounds), started)
     rounds = 0
     while rounds < max_rounds and not np.asarray(state.done).all():
-        state = program.step(target_state, draft_state, state, requests)
+        state = program.step(state, requests)
         rounds += 1
     return _result(state, max_new, requests, rounds, started)
 
@@ -857,46 +883,35 @@ def measure_verify_schedule(
     # request, so none finishes before its last timed round.
     max_new = (rounds + 1) * (gamma + 1) + 1
     tokens, lengths, requests = _requests(prompts, target.config.vocab_size, max_new, temperature, None, 1.0, None)
-    limits = dict(
-        target=getattr(target.config, "max_position_embeddings", None), draft=draft.cfg.max_position_embeddings
-    )
     need = prompt_len + max_new + gamma - 1
-    over = " and ".join(f"the {name}'s max_position_embeddings={n}" for name, n in limits.items() if n and need > n)
+    limits = _position_limits(target, draft).items()
+    over = " and ".join(f"the {name}'s max_position_embeddings={n}" for name, n in limits if n and need > n)
     if over:
         raise ValueError(
             f"prompt_len={prompt_len} and rounds={rounds} need prompt_len + (rounds + 1)·(γ + 1) + γ = {need} "
             f"positions (γ = {gamma}), past {over}: lower prompt_len or rounds"
         )
-    target_def, target_state = _split(target)
-    draft_def, draft_state = _split(draft)
-    program = _speculative_program(
-        target_def,
-        draft_def,
-        feature_layers=tuple(draft.cfg.target_layer_ids),
-        uniform_verify=True,
-        **_variant(requests, target.config.vocab_size),
-    )
-    start = functools.partial(
-        program.start,
-        target_state,
-        draft_state,
-        jnp.asarray(tokens),
-        jnp.asarray(lengths),
+    program = _launch(
+        target,
+        draft,
+        tokens,
+        lengths,
         requests,
         jax.random.key(seed),
         capacity=_capacity(None, lengths, np.asarray(requests.max_new), gamma + 1),
         out_len=_bucket(max_new + gamma + 1),
+        uniform_verify=True,
     )
     seconds = []
     for w in widths:
-        state = start()
+        state = program.start()
         forced = np.zeros(size, np.float32)
         forced[batch * w] = 1.0  # the uniform rule's only width of non-zero value
         forced_requests = requests.replace(verify_schedule=jnp.asarray(forced))
         before, times = np.asarray(state.verify_counts).sum(0), []  # [γ + 1]
         for _ in range(rounds + 1):
             began = time.perf_counter()
-            state = jax.block_until_ready(program.step(target_state, draft_state, state, forced_requests))
+            state = jax.block_until_ready(program.step(state, forced_requests))
             times.append(time.perf_counter() - began)
         if (np.asarray(state.verify_counts).sum(0) - before)[w - 1] != batch * (rounds + 1):
             raise RuntimeError(f"the rounds timed at width {w} did not all verify {w} tokens for every request")
