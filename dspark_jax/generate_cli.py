@@ -31,6 +31,8 @@ from dspark_jax.sampling import TOP_K_MAX
 from dspark_jax.target import check_pair, load_target
 from dspark_jax.tokenizer import load_tokenizer
 
+MEASURED_ROUNDS = 10  # timed rounds per verify width behind --verify-schedule
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="Hugging Face Qwen3 checkpoint folder with tokenizer.json")
@@ -94,8 +96,17 @@ def run(args: argparse.Namespace) -> int:
     options["device_loop"] = args.device_loop
     schedule = {}  # speculative decoding's alone
     if args.verify_schedule:
+        # Measured at the longest prompt's context, shortened to leave the timed rounds room.
+        limits = [n for n in (target.config.max_position_embeddings, draft.cfg.max_position_embeddings) if n]
+        room = min(limits) - (MEASURED_ROUNDS + 1) * (draft.cfg.gamma + 1) - draft.cfg.gamma
         table = measure_verify_schedule(
-            target, draft, len(prompts), prompt_len=max(map(len, prompts)), temperature=args.temperature, seed=args.seed
+            target,
+            draft,
+            len(prompts),
+            prompt_len=max(1, min(max(map(len, prompts)), room)),
+            rounds=MEASURED_ROUNDS,
+            temperature=args.temperature,
+            seed=args.seed,
         )
         schedule = dict(verify_schedule=table, verify_rule=args.verify_schedule)
     spec = speculative_generate(target, draft, prompts, **options, **schedule)

@@ -81,6 +81,15 @@ def test_generate_with_a_measured_verify_schedule_prints_verify_lengths(tmp_path
     assert "greedy outputs identical to plain decoding: True" in out
 
 
+def test_generate_measures_its_schedule_at_a_shorter_context_where_the_prompt_leaves_no_room(tmp_path, capsys):
+    """64 positions, γ = 3: the 10 timed rounds need 47, so the 37-token prompt is measured at 17."""
+    argv = _save_pair(tmp_path, enable_confidence_head=True, max_position_embeddings=64)
+    prompt = "the cat sat on the mat. " * 4
+    argv += ["--prompt", prompt, "--max-new-tokens", "6", "--no-stop", "--verify-schedule", "uniform"]
+    assert main(argv) == 0
+    assert re.search(r"verified per request-round: \d\.\d\d", capsys.readouterr().out)
+
+
 def test_generate_refuses_a_verify_schedule_without_a_confidence_head(tmp_path, capsys):
     argv = _save_pair(tmp_path) + ["--prompt", "the cat", "--verify-schedule", "per_request"]
     assert main(argv) == 2
