@@ -21,7 +21,9 @@ top-p (no vocabulary sort); or sampling with top-k / top-p over a static number 
 With ``verify_schedule`` (confidence-scheduled verification, ``DSPARK_SPEC.md`` §5) a round
 verifies each request's scheduled prefix of ``[bonus, d_1 … d_γ]`` only: the target runs at
 the narrowest width of :func:`verify_widths` holding the longest (one ``lax.switch``
-branch per width, all compiled with the round), and ``accept`` is capped there.
+branch per width, all compiled with the round), and ``accept`` is capped there. The
+per-request rule is the spec's; ``verify_rule="uniform"`` gives every request of a round one
+width, which suits a dense target; :func:`measure_verify_schedule` measures the table.
 
 Per request: temperature / top-k / top-p / max new tokens / stop tokens. A row is greedy
 when ``top_k <= 1`` or its temperature is 0. Finished requests stop changing: their
