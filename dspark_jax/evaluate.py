@@ -67,8 +67,9 @@ def measure_tau(
     """τ and acceptance by position of one draft at one temperature.
 
     Returns:
-      ``tau`` (overall), ``acceptance_by_position [γ]``, ``rounds``, ``tokens`` (generated
-      count) and ``seconds`` (compilation included).
+      ``tau`` (overall), ``acceptance_by_position [γ]``, ``confidence_by_position [γ]``
+      (the draft's own prediction of it; empty without a confidence head), ``rounds``,
+      ``tokens`` (generated count) and ``seconds`` (compilation included).
     """
     from dspark_jax.generation import speculative_generate
 
@@ -84,6 +85,7 @@ def measure_tau(
     return {
         "tau": result.tau_overall,
         "acceptance_by_position": result.acceptance_by_position,
+        "confidence_by_position": result.confidence_by_position,
         "rounds": result.rounds,
         "tokens": sum(len(t) for t in result.tokens),
         "seconds": result.seconds,
@@ -119,7 +121,8 @@ def compare_drafts(
 
 
 def format_tables(results: dict[str, dict[float, dict[str, Any]]]) -> str:
-    """Markdown tables: τ per draft and temperature (with the ratio to the last draft), then acceptance by position."""
+    """Markdown tables: τ per draft and temperature (with the ratio to the last draft), then
+    acceptance by position, each draft with a confidence head followed by its prediction."""
     names = list(results)
     temps = list(next(iter(results.values())))
     label = {t: "greedy" if t == 0 else f"T = {t:g}" for t in temps}
@@ -139,6 +142,9 @@ def format_tables(results: dict[str, dict[float, dict[str, Any]]]) -> str:
         for name in names:
             acc = results[name][t]["acceptance_by_position"]
             lines.append(f"| {name} | " + " | ".join(f"{a:.2f}" for a in acc) + " |")
+            predicted = results[name][t].get("confidence_by_position")
+            if predicted:
+                lines.append(f"| {name}, predicted | " + " | ".join(f"{a:.2f}" for a in predicted) + " |")
     return "\n".join(lines)
 
 

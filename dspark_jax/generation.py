@@ -77,6 +77,11 @@ class GenerationResult:
       verify_length_counts: ``[γ + 1]``; entry ``j − 1`` counts the request-rounds that
         verified ``j`` tokens (all at ``γ + 1`` without ``verify_schedule``); empty for
         :func:`generate`.
+      confidence_by_position: ``[γ]``; entry ``k − 1`` is the draft's own prediction of
+        ``acceptance_by_position[k − 1]``: the survival ``Π_{j ≤ k} confidence_j``
+        averaged over request-rounds. Empty without a confidence head and for
+        :func:`generate`. (With ``verify_schedule`` the accepted fractions are capped by
+        the verify lengths; compare the two without one.)
       seconds: wall time of the call, compilation included.
     """
 
@@ -88,6 +93,7 @@ class GenerationResult:
     accept_length_counts: list[int]
     verified_tokens: int
     verify_length_counts: list[int]
+    confidence_by_position: list[float]
     seconds: float
 
 
@@ -119,6 +125,7 @@ class DecodeState:
     rounds: jax.Array  # [B] rounds each request took part in
     accept_counts: jax.Array  # [B, γ + 1] histogram of correct_len
     verify_counts: jax.Array  # [B, γ + 1] histogram of each request's verify length (1 … γ + 1)
+    survival_sums: jax.Array  # [B, γ] (γ = 0 without a confidence head) Σ over rounds of Π_{j ≤ k} confidence_j
 
 
 # ------------------------------------------------------------------ validation
@@ -495,6 +502,7 @@ def _start(
         rounds=jnp.zeros((b,), jnp.int32),
         accept_counts=jnp.zeros((b, gamma + 1), jnp.int32),
         verify_counts=jnp.zeros((b, gamma + 1), jnp.int32),
+        survival_sums=jnp.zeros((b, gamma if draft.cfg.enable_confidence_head else 0), jnp.float32),
     )
 
 
@@ -574,6 +582,7 @@ def _round_step(
         rounds=state.rounds + active.astype(jnp.int32),
         accept_counts=state.accept_counts + hit.astype(jnp.int32),
         verify_counts=state.verify_counts + (verified & active[:, None]).astype(jnp.int32),
+        survival_sums=state.survival_sums + jnp.where(active[:, None], jnp.cumprod(block.confidence, axis=-1), 0.0),
     )
 
 
@@ -953,6 +962,7 @@ def _result(state: DecodeState, max_new, requests: Requests, rounds: int, starte
         accept_length_counts=total.tolist(),
         verified_tokens=int(verify_counts @ np.arange(1, gamma + 2)),
         verify_length_counts=verify_counts.tolist(),
+        confidence_by_position=(np.asarray(state.survival_sums).sum(0) / max(n, 1)).tolist(),
         seconds=time.perf_counter() - started,
     )
 
@@ -1103,4 +1113,5 @@ def generate(
         verified_tokens=int(np.asarray(state.n_out).sum()) - len(tokens),  # one per request-step
         seconds=time.perf_counter() - started,
         verify_length_counts=[],
+        confidence_by_position=[],
     )

@@ -26,6 +26,10 @@ def test_eval_reports_tau_for_both_drafts(tmp_path, capsys):
         assert 1.0 <= r["tau"] <= 8.0  # at least the bonus, at most γ + 1
         acc = r["acceptance_by_position"]
         assert len(acc) == 7 and all(a >= b for a, b in zip(acc, acc[1:], strict=False))
+    for name in results:  # both bundled drafts have a confidence head: its prediction follows their row
+        predicted = results[name]["1.0"]["confidence_by_position"]
+        assert len(predicted) == 7 and all(1 >= a >= b > 0 for a, b in zip(predicted, predicted[1:], strict=False))
+        assert f"| {name}, predicted | " + " | ".join(f"{a:.2f}" for a in predicted) + " |" in out
 
 
 def test_heldout_prompts_come_from_heldout_files_only():
@@ -44,9 +48,13 @@ def test_tables_show_ratio_against_the_baseline():
         return {"tau": tau, "acceptance_by_position": list(np.linspace(0.5, 0.1, 7))}
 
     results = {"A": {0.0: entry(3.0), 1.0: entry(2.2)}, "B": {0.0: entry(2.0), 1.0: entry(2.0)}}
+    results["A"][0.0]["confidence_by_position"] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    results["B"][0.0]["confidence_by_position"] = []  # no confidence head: no prediction row
     text = format_tables(results)
     assert "| A / B | 1.500× | 1.100× |" in text
     assert "| A | 3.000 | 2.200 |" in text
+    assert text.count("| A, predicted | 0.90 | 0.80 | 0.70 | 0.60 | 0.50 | 0.40 | 0.30 |") == 1
+    assert "| B, predicted |" not in text
 
 
 @pytest.mark.parametrize(

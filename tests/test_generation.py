@@ -197,6 +197,41 @@ def test_scheduled_verification_keeps_greedy_output_and_verifies_what_the_table_
         assert (lengths[2] == 0) == (rule == "uniform"), lengths
 
 
+def test_confidence_by_position_averages_each_rounds_survival_over_the_requests_that_took_part(greedy_setup):
+    """A confidence head rigged to constant per-slot probabilities ``c_k`` (zero weights, a
+    bias, per-position temperatures) predicts ``Π_{j ≤ k} c_j`` for draft ``k`` in every
+    round, so the average over request-rounds is exactly that, though requests of
+    different lengths leave the batch at different rounds; a draft without the head
+    reports nothing."""
+    target, bigram, prompts, max_new, plain = greedy_setup
+    rows = _case_batches(2)[0]  # γ = 4, batch 8, max_new_tokens from 4 to 24
+    draft = _rigged_draft(
+        target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0, enable_confidence_head=True
+    )
+    head = draft.confidence_head
+    head.proj.kernel.set_value(jnp.zeros_like(head.proj.kernel.get_value()))
+    head.proj.bias.set_value(jnp.full((1,), 1.5, jnp.float32))
+    temperatures = np.array([1.0, 2.0, 0.5, 4.0], np.float32)
+    head.sts_temperature.set_value(jnp.asarray(temperatures))
+    want = np.cumprod(1 / (1 + np.exp(-1.5 / temperatures)))
+    run = functools.partial(
+        speculative_generate, target, draft, prompts[rows], max_new_tokens=max_new[rows].tolist(), key=jax.random.key(1)
+    )
+    for out in (run(), run(device_loop=True)):
+        assert out.tokens == plain[rows]
+        assert (
+            len(set(max_new[rows].tolist())) > 1 and sum(out.accept_length_counts) < 8 * out.rounds
+        )  # rows left early
+        np.testing.assert_allclose(out.confidence_by_position, want, rtol=1e-5)
+    no_head = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    assert (
+        speculative_generate(
+            target, no_head, prompts[rows][:2], max_new_tokens=3, key=jax.random.key(1)
+        ).confidence_by_position
+        == []
+    )
+
+
 def test_scheduled_verify_runs_the_narrowest_width_and_caches_only_verified_slots():
     target, _ = _bigram_target(V, context_scale=1.0)
     rng = np.random.default_rng(0)
