@@ -90,6 +90,8 @@ _EXPORTS = {
     "verify_widths": "dspark_jax.generation",
     "measure_verify_schedule": "dspark_jax.generation",
     "VERIFY_RULES": "dspark_jax.generation",
+    "fit_sts_temperature": "dspark_jax.calibration",
+    "StsFit": "dspark_jax.calibration",
     # tokenizer, corpus, training, evaluation, bundled pair (issue 5)
     "Tokenizer": "dspark_jax.tokenizer",
     "train_bpe": "dspark_jax.tokenizer",

@@ -1,0 +1,189 @@
+"""STS calibration of the confidence head: one temperature per draft position.
+
+The confidence head predicts, for each slot ``k`` of a block, the chance that the target
+accepts draft ``d_k`` once ``d_1 … d_{k−1}`` were accepted: ``sigmoid(z_k / T_k)`` with raw
+score ``z_k`` and the step-dependent temperature ``T_k`` (``sts_temperature``, 1 until
+fitted; ``DSPARK_SPEC.md`` §2). :func:`fit_sts_temperature` fits ``T`` on held-out text,
+teacher-forced (the text's own tokens as the accepted prefix), against one of two labels:
+
+* ``"sampling"``: ``Σ_v min(p_k, q_k)``, the chance that rejection sampling at T = 1
+  accepts a draft drawn from ``q_k`` (the training label, ``clamp(1 − ½·TV)``);
+* ``"greedy"``: ``1`` where ``argmax q_k == argmax p_k``, else ``0``: what greedy
+  decoding accepts.
+
+Each ``T_k`` minimises the mean binary cross-entropy of ``sigmoid(z_k / T_k)`` against
+the labels: a logistic regression through the origin in ``a = 1 / T_k``, convex, solved by
+Newton's method in float64. Shape legend: N blocks, γ draft slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import positive_int
+from dspark_jax.draft import check_draft
+from dspark_jax.train import check_token_stream, draft_blocks, sample_windows
+
+CALIBRATION_LABELS = ("sampling", "greedy")
+
+
+@dataclasses.dataclass(frozen=True)
+class StsFit:
+    """A fitted STS temperature and what it changed.
+
+    Attributes:
+      temperatures: ``[γ]`` ``T_k`` (finite, > 0).
+      labels: ``"sampling"`` or ``"greedy"``.
+      bce_before: ``[γ]`` mean binary cross-entropy per slot with the draft's temperatures
+        as they were.
+      bce_after: ``[γ]`` the same with ``temperatures``.
+      predicted: ``[γ]`` mean calibrated confidence per slot.
+      observed: ``[γ]`` mean label per slot.
+      blocks: teacher-forced blocks the fit read.
+    """
+
+    temperatures: list[float]
+    labels: str
+    bce_before: list[float]
+    bce_after: list[float]
+    predicted: list[float]
+    observed: list[float]
+    blocks: int
+
+
+def _bce(a: np.ndarray, z: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Mean over rows of BCE(sigmoid(a·z), y): ``[N, γ]`` scores and labels, ``[γ]`` slopes."""
+    x = a * z
+    return np.mean(np.logaddexp(0.0, x) - y * x, axis=0)
+
+
+def fit_temperatures(scores: np.ndarray, labels: np.ndarray, *, iters: int = 50) -> np.ndarray:
+    """Per-column temperature minimising the mean BCE of ``sigmoid(scores / T)`` against ``labels``.
+
+    Args:
+      scores: ``[N, γ]`` raw confidence scores.
+      labels: ``[N, γ]`` targets in ``[0, 1]`` (soft labels allowed).
+      iters: at most this many Newton steps (each halved until the loss does not rise);
+        the fit stops once every step is below ``1e-10`` of its slope.
+
+    Returns:
+      ``[γ]`` float64 temperatures, finite and > 0.
+
+    Raises:
+      ValueError: shapes differ or are not ``[N >= 1, γ]``, a value is not finite, a
+        label lies outside ``[0, 1]``, or a column's scores do not rank its labels
+        (its best slope ``1 / T`` is not positive: no temperature calibrates it).
+    """
+    z, y = np.asarray(scores, np.float64), np.asarray(labels, np.float64)
+    if z.ndim != 2 or z.shape != y.shape or z.shape[0] < 1:
+        raise ValueError(f"scores {z.shape} and labels {y.shape} must both be [N >= 1, γ]")
+    if not (np.isfinite(z).all() and np.isfinite(y).all()):
+        raise ValueError("scores and labels must be finite")
+    if ((y < 0) | (y > 1)).any():
+        raise ValueError("labels must lie in [0, 1]")
+    # The loss is convex in the slope a; at a = 0 its derivative is mean((½ − y)·z).
+    downhill = np.mean((0.5 - y) * z, axis=0) < 0  # [γ] the loss falls for small a > 0
+    if not downhill.all():
+        k = int(np.argmin(downhill))
+        raise ValueError(
+            f"slot {k + 1}'s confidence scores do not rank its labels (no positive slope lowers the loss): "
+            "no temperature calibrates it"
+        )
+    a = np.ones(z.shape[1])
+    for _ in range(iters):
+        s = 1.0 / (1.0 + np.exp(-a * z))
+        grad = np.mean((s - y) * z, axis=0)
+        hess = np.mean(s * (1 - s) * z * z, axis=0) + 1e-12
+        step = grad / hess
+        if np.all(np.abs(step) <= 1e-10 * a):  # converged
+            break
+        loss = _bce(a, z, y)
+        t = np.ones_like(a)
+        for _ in range(30):  # halve where the full step would leave a > 0 or raise the loss
+            trial = a - t * step
+            bad = (trial <= 0) | (_bce(trial, z, y) > loss)
+            if not bad.any():
+                break
+            t = np.where(bad, t / 2, t)
+        a = np.where((a - t * step) > 0, a - t * step, a)
+    return 1.0 / a
+
+
+def fit_sts_temperature(
+    draft,
+    target,
+    tokens: np.ndarray,
+    *,
+    labels: str = "sampling",
+    batches: int = 8,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    seed: int = 1,
+    apply: bool = True,
+) -> StsFit:
+    """Fits the draft's ``sts_temperature`` on a token stream (held-out text).
+
+    Args:
+      draft: a :class:`~dspark_jax.draft.DSparkDraft` with a confidence head.
+      target: its target.
+      tokens: ``[N]`` int32 token stream.
+      labels: ``"sampling"`` (the chance T = 1 accepts) or ``"greedy"`` (argmax match).
+      batches, batch_size, seq_len: how much text to read; anchors at every 4th position.
+      seed: window sampling seed.
+      apply: write the fitted temperatures into the draft (``save_draft`` then saves them).
+
+    Returns:
+      A :class:`StsFit`.
+
+    Raises:
+      ValueError: no confidence head, ``labels`` not one of :data:`CALIBRATION_LABELS`,
+        counts below 1, a ``seq_len`` with no room for a block, a bad token stream, or
+        scores that no temperature calibrates.
+      TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`.
+    """
+    check_draft(draft)
+    if draft.confidence_head is None:
+        raise ValueError("the draft has no confidence head (enable_confidence_head=False): nothing to calibrate")
+    if labels not in CALIBRATION_LABELS:
+        raise ValueError(f"labels={labels!r} is invalid: expected one of {CALIBRATION_LABELS}")
+    batches, batch_size = positive_int("batches", batches), positive_int("batch_size", batch_size)
+    rows = draft.cfg.num_query_rows
+    if positive_int("seq_len", seq_len) < rows + 2:
+        raise ValueError(f"seq_len={seq_len} is invalid: must be >= {rows + 2} (one anchor and its {rows} rows)")
+    tokens = check_token_stream(tokens, seq_len, draft.cfg.vocab_size)
+    dgraph, dstate = nnx.split(draft)
+    tgraph, tstate = nnx.split(target)
+
+    @jax.jit
+    def score(dstate, tstate, batch, anchors):
+        blocks = draft_blocks(nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate), batch, anchors)
+        q = jax.nn.softmax(blocks["corrected"], axis=-1)  # [N, γ, V]
+        p = jax.nn.softmax(blocks["target_logits"].astype(jnp.float32), axis=-1)
+        accept = jnp.sum(jnp.minimum(p, q), axis=-1)  # [N, γ]
+        match = (jnp.argmax(q, axis=-1) == jnp.argmax(p, axis=-1)).astype(jnp.float32)
+        return blocks["confidence_logits"], accept if labels == "sampling" else match
+
+    rng = np.random.default_rng(seed)
+    anchors = np.arange(1, seq_len - rows, 4, dtype=np.int32)
+    anchors = np.broadcast_to(anchors, (batch_size, anchors.size))
+    parts = [score(dstate, tstate, sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
+    z = np.concatenate([np.asarray(s, np.float64) for s, _ in parts])  # [N, γ]
+    y = np.clip(np.concatenate([np.asarray(t, np.float64) for _, t in parts]), 0.0, 1.0)
+    before = np.asarray(draft.confidence_head.sts_temperature[...], np.float64)  # [γ]
+    fitted = fit_temperatures(z, y)
+    if apply:
+        draft.confidence_head.sts_temperature.set_value(jnp.asarray(fitted, jnp.float32))
+    return StsFit(
+        temperatures=fitted.tolist(),
+        labels=labels,
+        bce_before=_bce(1.0 / before, z, y).tolist(),
+        bce_after=_bce(1.0 / fitted, z, y).tolist(),
+        predicted=np.mean(1.0 / (1.0 + np.exp(-z / fitted)), axis=0).tolist(),
+        observed=y.mean(0).tolist(),
+        blocks=int(z.shape[0]),
+    )

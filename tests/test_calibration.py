@@ -1,0 +1,119 @@
+"""STS calibration: the temperature fit against a brute force, and on the bundled pair."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.bundled import load_bundled
+from dspark_jax.calibration import fit_sts_temperature, fit_temperatures
+from dspark_jax.checkpoint import load_draft, save_draft
+from dspark_jax.draft import DSparkDraft
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def test_fit_recovers_each_columns_temperature_from_soft_labels():
+    rng = np.random.default_rng(0)
+    z = rng.normal(0.5, 2.0, (4000, 4))
+    want = np.array([1.7, 0.5, 3.0, 1.0])
+    np.testing.assert_allclose(fit_temperatures(z, _sigmoid(z / want)), want, rtol=1e-6)
+
+
+def test_fit_minimises_the_cross_entropy_of_hard_labels_over_a_grid():
+    """Bernoulli labels: the fitted slope is the grid's best (the loss is convex in 1 / T), and
+    with 50,000 rows it lands within 4 % of the temperature that drew them (the slope's
+    standard error, 1 / sqrt(N · mean(s(1 − s)·z²)), is under 1 % for both)."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(0.0, 3.0, (50_000, 2))
+    drawn = np.array([2.0, 0.7])
+    y = (rng.random(z.shape) < _sigmoid(z / drawn)).astype(np.float64)
+    got = fit_temperatures(z, y)
+    s = _sigmoid(z / drawn)
+    assert (1 / np.sqrt(len(z) * np.mean(s * (1 - s) * z * z, axis=0)) * drawn < 0.01).all()
+    for k in range(2):
+        slopes = np.linspace(0.8, 1.2, 201) / drawn[k]  # ±20 % around the slope that drew them
+        x = slopes[:, None] * z[None, :, k]
+        loss = np.mean(np.logaddexp(0, x) - y[None, :, k] * x, axis=1)
+        best = slopes[np.argmin(loss)]
+        assert abs(1 / got[k] - best) <= slopes[1] - slopes[0], (got[k], 1 / best)
+    np.testing.assert_allclose(got, drawn, rtol=0.04)
+
+
+@pytest.mark.parametrize(
+    ("scores", "labels", "message"),
+    [
+        (np.ones((3, 2)), np.ones((3, 3)) * 0.5, r"scores \(3, 2\) and labels \(3, 3\) must both be \[N >= 1, γ\]"),
+        (np.ones(3), np.ones(3), r"must both be \[N >= 1, γ\]"),
+        (np.array([[np.nan, 1.0]]), np.array([[0.5, 0.5]]), "must be finite"),
+        (np.array([[1.0, 1.0]]), np.array([[1.5, 0.5]]), r"labels must lie in \[0, 1\]"),
+        (  # slot 2 scores high where its labels are low
+            np.array([[2.0, 2.0], [-2.0, -2.0]]),
+            np.array([[0.9, 0.1], [0.1, 0.9]]),
+            "slot 2's confidence scores do not rank its labels",
+        ),
+    ],
+)
+def test_fit_refuses_what_no_temperature_can_calibrate(scores, labels, message):
+    with pytest.raises(ValueError, match=message):
+        fit_temperatures(scores, labels)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    target, draft, tokenizer = load_bundled("dspark")
+    tokens = np.asarray(tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 40), np.int32)
+    return target, draft, tokens
+
+
+@pytest.mark.parametrize("labels", ["sampling", "greedy"])
+def test_sts_fit_lowers_each_slots_cross_entropy_and_applies_and_saves_its_temperatures(bundled, labels, tmp_path):
+    target, bundled_draft, tokens = bundled
+    draft = nnx.clone(bundled_draft)
+    fit = fit_sts_temperature(draft, target, tokens, labels=labels, batches=1, batch_size=2, seq_len=48)
+    gamma = draft.cfg.gamma
+    assert fit.labels == labels and fit.blocks == 2 * len(range(1, 48 - draft.cfg.num_query_rows, 4))
+    assert len(fit.temperatures) == gamma and all(np.isfinite(fit.temperatures)) and min(fit.temperatures) > 0
+    assert all(after <= before + 1e-12 for before, after in zip(fit.bce_before, fit.bce_after, strict=True))
+    assert len(fit.predicted) == len(fit.observed) == gamma
+    assert all(0 <= o <= 1 for o in fit.observed)
+    np.testing.assert_allclose(draft.confidence_head.sts_temperature[...], fit.temperatures, rtol=1e-6)
+    again = fit_sts_temperature(draft, target, tokens, labels=labels, batches=1, batch_size=2, seq_len=48)
+    np.testing.assert_allclose(again.temperatures, fit.temperatures, rtol=1e-9)  # raw scores: the old T is not read
+    np.testing.assert_allclose(again.bce_before, fit.bce_after, rtol=1e-6)  # … except as the starting point
+    save_draft(draft, tmp_path / "calibrated")
+    loaded = load_draft(tmp_path / "calibrated", target=target)
+    np.testing.assert_allclose(loaded.confidence_head.sts_temperature[...], fit.temperatures, rtol=1e-6)
+
+
+def test_sts_fit_without_apply_leaves_the_draft_alone(bundled):
+    target, draft, tokens = bundled
+    before = np.asarray(draft.confidence_head.sts_temperature[...])
+    fit = fit_sts_temperature(draft, target, tokens, labels="greedy", batches=1, batch_size=2, seq_len=48, apply=False)
+    assert not np.allclose(fit.temperatures, before)
+    np.testing.assert_array_equal(draft.confidence_head.sts_temperature[...], before)
+
+
+def test_sts_fit_refuses_bad_settings_by_name(bundled):
+    target, draft, tokens = bundled
+    with pytest.raises(ValueError, match=r"labels='argmax' is invalid: expected one of \('sampling', 'greedy'\)"):
+        fit_sts_temperature(draft, target, tokens, labels="argmax")
+    shortest = draft.cfg.num_query_rows + 2
+    with pytest.raises(ValueError, match=f"seq_len={shortest - 1} is invalid: must be >= {shortest}"):
+        fit_sts_temperature(draft, target, tokens, seq_len=shortest - 1)
+    with pytest.raises(ValueError, match="batches=0 is invalid"):
+        fit_sts_temperature(draft, target, tokens, batches=0)
+    with pytest.raises(TypeError, match="draft must be a DSparkDraft"):
+        fit_sts_temperature(target, target, tokens)
+    no_head = DSparkDraft(
+        dataclasses.replace(draft.cfg, enable_confidence_head=False, confidence_head_with_markov=False),
+        rngs=nnx.Rngs(0),
+        embed_tokens=target.embed_tokens,
+        lm_head=target.lm_head,
+    )
+    with pytest.raises(ValueError, match="the draft has no confidence head"):
+        fit_sts_temperature(no_head, target, jnp.asarray(tokens))
