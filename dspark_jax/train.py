@@ -344,13 +344,14 @@ def check_training_memory(
     return need
 
 
-def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
-    """Refuses an output folder that a training command would overwrite by accident.
+def check_output_folder(out: str, *, resume: bool, flag: str = "--out", resumable: bool = True) -> None:
+    """Refuses an output folder that a command would overwrite by accident.
 
     Args:
       out: the folder the command writes its model (and ``checkpoint/``) into.
       resume: the run continues from ``out/checkpoint``.
       flag: the option that named ``out``, for the messages.
+      resumable: the command has ``--resume`` (the messages suggest it).
 
     Raises:
       ValueError: ``out`` is an existing file; it cannot be created (a file lies on its
@@ -379,10 +380,8 @@ def check_output_folder(out: str, *, resume: bool, flag: str = "--out") -> None:
         return
     held = [name for name in MODEL_FILES if os.path.isfile(os.path.join(out, name))]
     if held:
-        raise ValueError(
-            f"{flag} {out!r} already holds a model ({', '.join(held)}): give a new folder, "
-            "or --resume to continue its training"
-        )
+        hint = ", or --resume to continue its training" if resumable else ""
+        raise ValueError(f"{flag} {out!r} already holds a model ({', '.join(held)}): give a new folder{hint}")
 
 
 def cast_params(module: nnx.Module, dtype: str) -> None:

@@ -1,6 +1,8 @@
 """STS calibration: the temperature fit against a brute force, and on the bundled pair."""
 
 import dataclasses
+import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 from dspark_jax.bundled import load_bundled
 from dspark_jax.calibration import fit_sts_temperature, fit_temperatures
 from dspark_jax.checkpoint import load_draft, save_draft
+from dspark_jax.cli import main
 from dspark_jax.draft import DSparkDraft
 
 
@@ -117,3 +120,42 @@ def test_sts_fit_refuses_bad_settings_by_name(bundled):
     )
     with pytest.raises(ValueError, match="the draft has no confidence head"):
         fit_sts_temperature(no_head, target, jnp.asarray(tokens))
+
+
+# --------------------------------------------------------------------------- command line
+def test_calibrate_command_writes_a_draft_carrying_the_fitted_temperatures(tmp_path, capsys):
+    out = tmp_path / "calibrated"
+    argv = ["calibrate", "--out", str(out), "--labels", "greedy", "--batches", "1", "--batch-size", "2"]
+    assert main([*argv, "--seq-len", "48"]) == 0
+    printed = capsys.readouterr().out
+    info = json.loads((out / "calibration.json").read_text())
+    fit = info["fit"]
+    assert fit["labels"] == "greedy" and len(fit["temperatures"]) == 7
+    rows = re.findall(r"^\| (\d) \| (\d+\.\d{4}) \|", printed, flags=re.M)
+    assert [int(k) for k, _ in rows] == list(range(1, 8))
+    np.testing.assert_allclose([float(t) for _, t in rows], fit["temperatures"], atol=5e-5)
+    target, _, _ = load_bundled("dspark")
+    loaded = load_draft(out, target=target)
+    np.testing.assert_allclose(loaded.confidence_head.sts_temperature[...], fit["temperatures"], rtol=1e-6)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+
+
+def test_calibrate_command_refuses_an_out_holding_a_model_and_a_draft_without_a_confidence_head(
+    bundled, tmp_path, capsys
+):
+    target, draft, _ = bundled
+    taken = tmp_path / "taken"
+    save_draft(draft, taken)
+    assert main(["calibrate", "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {str(taken)!r} already holds a model (config.json, model.safetensors): give a new folder\n" in err
+    no_head = DSparkDraft(
+        dataclasses.replace(draft.cfg, enable_confidence_head=False, confidence_head_with_markov=False),
+        rngs=nnx.Rngs(0),
+        embed_tokens=target.embed_tokens,
+        lm_head=target.lm_head,
+    )
+    save_draft(no_head, tmp_path / "no_head")
+    assert main(["calibrate", "--draft", str(tmp_path / "no_head"), "--out", str(tmp_path / "out")]) == 2
+    assert "has no confidence head (enable_confidence_head=False): nothing to calibrate" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
