@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.config import positive_int
 from dspark_jax.draft import check_draft
-from dspark_jax.train import check_token_stream, draft_blocks, sample_windows
+from dspark_jax.train import block_acceptance, draft_blocks, heldout_windows
 
 CALIBRATION_LABELS = ("sampling", "greedy")
 
@@ -151,27 +150,17 @@ def fit_sts_temperature(
         raise ValueError("the draft has no confidence head (enable_confidence_head=False): nothing to calibrate")
     if labels not in CALIBRATION_LABELS:
         raise ValueError(f"labels={labels!r} is invalid: expected one of {CALIBRATION_LABELS}")
-    batches, batch_size = positive_int("batches", batches), positive_int("batch_size", batch_size)
-    rows = draft.cfg.num_query_rows
-    if positive_int("seq_len", seq_len) < rows + 2:
-        raise ValueError(f"seq_len={seq_len} is invalid: must be >= {rows + 2} (one anchor and its {rows} rows)")
-    tokens = check_token_stream(tokens, seq_len, draft.cfg.vocab_size)
+    windows = heldout_windows(draft.cfg, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed)
     dgraph, dstate = nnx.split(draft)
     tgraph, tstate = nnx.split(target)
 
     @jax.jit
     def score(dstate, tstate, batch, anchors):
         blocks = draft_blocks(nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate), batch, anchors)
-        q = jax.nn.softmax(blocks["corrected"], axis=-1)  # [N, γ, V]
-        p = jax.nn.softmax(blocks["target_logits"].astype(jnp.float32), axis=-1)
-        accept = jnp.sum(jnp.minimum(p, q), axis=-1)  # [N, γ]
-        match = (jnp.argmax(q, axis=-1) == jnp.argmax(p, axis=-1)).astype(jnp.float32)
+        accept, match = block_acceptance(blocks)  # [N, γ] each
         return blocks["confidence_logits"], accept if labels == "sampling" else match
 
-    rng = np.random.default_rng(seed)
-    anchors = np.arange(1, seq_len - rows, 4, dtype=np.int32)
-    anchors = np.broadcast_to(anchors, (batch_size, anchors.size))
-    parts = [score(dstate, tstate, sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
+    parts = [score(dstate, tstate, batch, anchors) for batch, anchors in windows]
     z = np.concatenate([np.asarray(s, np.float64) for s, _ in parts])  # [N, γ]
     y = np.clip(np.concatenate([np.asarray(t, np.float64) for _, t in parts]), 0.0, 1.0)
     before = np.asarray(draft.confidence_head.sts_temperature[...], np.float64)  # [γ]

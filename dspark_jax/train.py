@@ -733,26 +733,59 @@ def make_draft_train_step(draft_graphdef, target_graphdef, tcfg: DraftTrainConfi
     return jax.jit(step, donate_argnums=(0, 2))
 
 
-def acceptance_stats(blocks: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Teacher-forced acceptance of a batch of blocks (against the text's prefix).
+def block_acceptance(blocks: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Per-block teacher-forced acceptance of each slot (the text's prefix accepted before it).
 
-    ``accept_t1[k] = Σ_v min(p_k, q_k)`` is the chance the T = 1 chain accepts slot ``k``;
-    ``match_greedy[k]`` is ``argmax q_k == argmax p_k``. The τ estimates chain them:
-    ``1 + Σ_k Π_{j≤k} accept_j`` per block (including the bonus token).
+    Returns:
+      ``accept [N, γ]``: ``Σ_v min(p_k, q_k)``, the chance that rejection sampling at T = 1
+      accepts a draft drawn from ``q_k``; ``match [N, γ]``: 1 where ``argmax q_k ==
+      argmax p_k`` (greedy decoding accepts), else 0.
+    """
+    q = jax.nn.softmax(blocks["corrected"], axis=-1)
+    p = jax.nn.softmax(blocks["target_logits"].astype(jnp.float32), axis=-1)
+    accept = jnp.sum(jnp.minimum(p, q), axis=-1)  # [N, γ]
+    match = (jnp.argmax(q, axis=-1) == jnp.argmax(p, axis=-1)).astype(jnp.float32)  # [N, γ]
+    return accept, match
+
+
+def acceptance_stats(blocks: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Teacher-forced acceptance of a batch of blocks (:func:`block_acceptance`) and the τ
+    estimates that chain it: ``1 + Σ_k Π_{j≤k} accept_j`` per block (the bonus included).
 
     Returns:
       ``accept_t1 [γ]``, ``match_greedy [γ]``, ``tau_t1`` and ``tau_greedy`` (scalars).
     """
-    q = jax.nn.softmax(blocks["corrected"], axis=-1)
-    p = jax.nn.softmax(blocks["target_logits"].astype(jnp.float32), axis=-1)
-    acc = jnp.sum(jnp.minimum(p, q), axis=-1)  # [N, γ]
-    match = (jnp.argmax(q, axis=-1) == jnp.argmax(p, axis=-1)).astype(jnp.float32)  # [N, γ]
+    acc, match = block_acceptance(blocks)
     return {
         "accept_t1": acc.mean(0),
         "match_greedy": match.mean(0),
         "tau_t1": (1.0 + jnp.cumprod(acc, axis=-1).sum(-1)).mean(),
         "tau_greedy": (1.0 + jnp.cumprod(match, axis=-1).sum(-1)).mean(),
     }
+
+
+def heldout_windows(
+    draft_cfg: DraftConfig, tokens: np.ndarray, *, batches: int, batch_size: int, seq_len: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``batches`` pairs of ``[batch_size, seq_len]`` windows of a token stream and their
+    ``[batch_size, A]`` anchors (every 4th position with room for the draft's block).
+
+    Raises:
+      ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
+        anchor's block, or a bad token stream.
+    """
+    positive_int("batches", batches), positive_int("batch_size", batch_size)
+    rows = draft_cfg.num_query_rows
+    if not is_integer(seq_len) or seq_len < rows + 2:  # room for one anchor and its block of query rows
+        raise ValueError(
+            f"seq_len={seq_len!r} is invalid: must be an integer >= {rows + 2} (one anchor and the draft's "
+            f"{rows} query rows)"
+        )
+    tokens = check_token_stream(tokens, seq_len, draft_cfg.vocab_size)
+    rng = np.random.default_rng(seed)
+    anchors = np.arange(1, seq_len - rows, 4, dtype=np.int32)
+    anchors = np.broadcast_to(anchors, (batch_size, anchors.size))
+    return [(sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
 
 
 def evaluate_draft(
@@ -774,14 +807,7 @@ def evaluate_draft(
       ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
         anchor's block, or a bad token stream.
     """
-    positive_int("batches", batches), positive_int("batch_size", batch_size)
-    shortest = draft.cfg.num_query_rows + 2  # room for one anchor and its block of query rows
-    if not is_integer(seq_len) or seq_len < shortest:
-        raise ValueError(
-            f"seq_len={seq_len!r} is invalid: must be an integer >= {shortest} (one anchor and the draft's "
-            f"{draft.cfg.num_query_rows} query rows)"
-        )
-    tokens = check_token_stream(tokens, seq_len, draft.cfg.vocab_size)
+    windows = heldout_windows(draft.cfg, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed)
     dgraph, dstate = nnx.split(draft)
     tgraph, tstate = nnx.split(target)
 
@@ -794,10 +820,7 @@ def evaluate_draft(
         )
         return {**{k: v.mean() for k, v in terms.items()}, **acceptance_stats(blocks)}
 
-    rng = np.random.default_rng(seed)
-    anchors = np.arange(1, seq_len - draft.cfg.num_query_rows, 4, dtype=np.int32)
-    anchors = np.broadcast_to(anchors, (batch_size, anchors.size))
-    results = [score(dstate, tstate, sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
+    results = [score(dstate, tstate, batch, anchors) for batch, anchors in windows]
     out = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *results)
     return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
 

@@ -106,7 +106,7 @@ def test_sts_fit_refuses_bad_settings_by_name(bundled):
     with pytest.raises(ValueError, match=r"labels='argmax' is invalid: expected one of \('sampling', 'greedy'\)"):
         fit_sts_temperature(draft, target, tokens, labels="argmax")
     shortest = draft.cfg.num_query_rows + 2
-    with pytest.raises(ValueError, match=f"seq_len={shortest - 1} is invalid: must be >= {shortest}"):
+    with pytest.raises(ValueError, match=f"seq_len={shortest - 1} is invalid: must be an integer >= {shortest}"):
         fit_sts_temperature(draft, target, tokens, seq_len=shortest - 1)
     with pytest.raises(ValueError, match="batches=0 is invalid"):
         fit_sts_temperature(draft, target, tokens, batches=0)
