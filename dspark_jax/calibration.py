@@ -141,8 +141,8 @@ def fit_sts_temperature(
 
     Raises:
       ValueError: no confidence head, ``labels`` not one of :data:`CALIBRATION_LABELS`,
-        counts below 1, a ``seq_len`` with no room for a block, a bad token stream, or
-        scores that no temperature calibrates.
+        counts below 1, a ``seq_len`` with no room for a block or past either model's
+        positions, a bad token stream, or scores that no temperature calibrates.
       TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`.
     """
     check_draft(draft)
@@ -150,7 +150,9 @@ def fit_sts_temperature(
         raise ValueError("the draft has no confidence head (enable_confidence_head=False): nothing to calibrate")
     if labels not in CALIBRATION_LABELS:
         raise ValueError(f"labels={labels!r} is invalid: expected one of {CALIBRATION_LABELS}")
-    windows = heldout_windows(draft.cfg, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    windows = heldout_windows(
+        draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
+    )
     dgraph, dstate = nnx.split(draft)
     tgraph, tstate = nnx.split(target)
 

@@ -765,14 +765,22 @@ def acceptance_stats(blocks: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def heldout_windows(
-    draft_cfg: DraftConfig, tokens: np.ndarray, *, batches: int, batch_size: int, seq_len: int, seed: int
+    draft_cfg: DraftConfig,
+    target_cfg: Any,
+    tokens: np.ndarray,
+    *,
+    batches: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """``batches`` pairs of ``[batch_size, seq_len]`` windows of a token stream and their
     ``[batch_size, A]`` anchors (every 4th position with room for the draft's block).
 
     Raises:
       ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
-        anchor's block, or a bad token stream.
+        anchor's block or past either model's ``max_position_embeddings``, or a bad token
+        stream.
     """
     positive_int("batches", batches), positive_int("batch_size", batch_size)
     rows = draft_cfg.num_query_rows
@@ -780,6 +788,15 @@ def heldout_windows(
         raise ValueError(
             f"seq_len={seq_len!r} is invalid: must be an integer >= {rows + 2} (one anchor and the draft's "
             f"{rows} query rows)"
+        )
+    limits = {
+        "draft": draft_cfg.max_position_embeddings,
+        "target": getattr(target_cfg, "max_position_embeddings", None),
+    }
+    if any(limit is not None and seq_len > limit for limit in limits.values()):
+        raise ValueError(
+            f"seq_len={seq_len} exceeds max_position_embeddings (draft {limits['draft']}, target {limits['target']}): "
+            "a window runs both models at positions 0 … seq_len − 1"
         )
     tokens = check_token_stream(tokens, seq_len, draft_cfg.vocab_size)
     rng = np.random.default_rng(seed)
@@ -805,9 +822,12 @@ def evaluate_draft(
 
     Raises:
       ValueError: ``batches`` or ``batch_size`` below 1, a ``seq_len`` with no room for an
-        anchor's block, or a bad token stream.
+        anchor's block or past either model's ``max_position_embeddings``, or a bad token
+        stream (:func:`heldout_windows`).
     """
-    windows = heldout_windows(draft.cfg, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    windows = heldout_windows(
+        draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
+    )
     dgraph, dstate = nnx.split(draft)
     tgraph, tstate = nnx.split(target)
 

@@ -108,6 +108,8 @@ def test_sts_fit_refuses_bad_settings_by_name(bundled):
     shortest = draft.cfg.num_query_rows + 2
     with pytest.raises(ValueError, match=f"seq_len={shortest - 1} is invalid: must be an integer >= {shortest}"):
         fit_sts_temperature(draft, target, tokens, seq_len=shortest - 1)
+    with pytest.raises(ValueError, match=r"seq_len=513 exceeds max_position_embeddings \(draft 512, target 512\)"):
+        fit_sts_temperature(draft, target, tokens, seq_len=513)  # ran quietly past the positions the models know
     with pytest.raises(ValueError, match="batches=0 is invalid"):
         fit_sts_temperature(draft, target, tokens, batches=0)
     with pytest.raises(TypeError, match="draft must be a DSparkDraft"):

@@ -305,6 +305,11 @@ def test_evaluation_and_distillation_sizes_are_refused_by_name(target):
             evaluate_draft(draft, target, TOKENS, seq_len=24, **{name: 0})
     out = evaluate_draft(draft, target, TOKENS, batches=1, batch_size=2, seq_len=shortest)
     assert len(out["accept_t1"]) == DRAFT_CFG.gamma and np.isfinite(out["ce"])
+    limit = TARGET_CFG.max_position_embeddings  # windows past it ran quietly at positions the models do not know
+    with pytest.raises(
+        ValueError, match=rf"seq_len={limit + 1} exceeds max_position_embeddings \(draft \d+, target {limit}\)"
+    ):
+        evaluate_draft(draft, target, TOKENS, batches=1, batch_size=1, seq_len=limit + 1)
     for name, value in (("count", -3), ("batch", 0)):
         with pytest.raises(ValueError, match=f"{name}={value} is invalid: must be an integer >= 1"):
             distillation_data(target, TOKENS, seq_len=12, prompt_len=4, **{"count": 2, name: value})
