@@ -1116,6 +1116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument(
+        "--calibrate",
+        choices=("sampling", "greedy"),
+        help="fit the confidence head's STS temperature on held-out text after training (dspark-jax calibrate)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -1129,8 +1134,9 @@ def check_draft_arguments(args: argparse.Namespace) -> None:
         created or written, a folder holding a model without ``--resume``, or lacks a
         checkpoint with ``--resume``; ``--distill`` comes with ``--batch`` below 2 or a
         ``--seq-len`` with no room after the prompt; ``--anchors`` exceeds the distinct
-        anchor positions of a ``--seq-len`` sequence (with ``--gamma`` rows); or a
-        draft-shape flag is given together with ``--draft-config``.
+        anchor positions of a ``--seq-len`` sequence (with ``--gamma`` rows); a
+        draft-shape flag is given together with ``--draft-config``; or ``--calibrate``
+        comes with ``--no-confidence``.
     """
     check_checkpoint("--target", args.target, tokenizer=True)
     if os.path.realpath(args.out) == os.path.realpath(args.target):
@@ -1139,6 +1145,10 @@ def check_draft_arguments(args: argparse.Namespace) -> None:
             "give another folder"
         )
     check_output_folder(args.out, resume=args.resume)
+    if args.calibrate and args.no_confidence:
+        raise ValueError(
+            f"--calibrate {args.calibrate} is invalid with --no-confidence: it calibrates the confidence head"
+        )
     if args.distill:
         if args.batch < 2:
             raise ValueError(
@@ -1234,6 +1244,10 @@ def run(args: argparse.Namespace) -> int:
             confidence_head=not args.no_confidence,
         )
     check_draft_fits(draft_cfg, target.config, tcfg.seq_len, anchors_per_seq=tcfg.anchors_per_seq)
+    if args.calibrate and not draft_cfg.enable_confidence_head:
+        raise ValueError(
+            f"--calibrate {args.calibrate} is invalid: --draft-config {args.draft_config!r} has no confidence head"
+        )
     checkpoint_dir = os.path.join(args.out, "checkpoint")
     if args.resume:
         check_resume_settings(checkpoint_dir, draft_run_meta(draft_cfg, tcfg))
@@ -1270,6 +1284,12 @@ def run(args: argparse.Namespace) -> int:
     stats = evaluate_draft(result.model, target, heldout, seq_len=min(tcfg.seq_len, 256))
     check_heldout_losses("draft", {key: stats[key] for key in ("ce", "tv", "bce")}, result.step)
     draft = result.model
+    calibration = None
+    if args.calibrate:
+        from dspark_jax.calibration import fit_sts_temperature
+
+        fit = fit_sts_temperature(draft, target, heldout, labels=args.calibrate, seq_len=min(tcfg.seq_len, 256))
+        calibration = dataclasses.asdict(fit)
     draft.cfg = dataclasses.replace(draft_cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
     cast_params(draft, args.save_dtype)
     save_draft(draft, args.out)
@@ -1281,6 +1301,7 @@ def run(args: argparse.Namespace) -> int:
         "train_seconds": seconds,
         "final_metrics": {k: v[-1] for k, v in result.history.items()} if result.history else {},
         "heldout_teacher_forced": stats,
+        "sts_calibration": calibration,
         "corpus": corpus.provenance(),
         "jax_version": jax.__version__,
         "device": str(jax.devices()[0]),

@@ -19,6 +19,8 @@ from draft_testing import TRAINING_TARGET
 from flax import nnx
 
 from dspark_jax import target_training, train
+from dspark_jax.calibration import StsFit
+from dspark_jax.checkpoint import load_draft
 from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import train_bpe
 from dspark_jax.train import CHECKPOINT_META, DraftTrainConfig, TrainResult, default_draft_config, fit, train_draft
@@ -543,3 +545,51 @@ def test_train_draft_cli_refuses_sizes_beyond_free_memory_before_reading_the_cor
     with pytest.raises(ValueError, match=re.escape(want) + "training needs at least"):
         train.run(_draft_args(tmp_path, "--layers", "100000"))
     assert not (tmp_path / "draft").exists()
+
+
+# --------------------------------------------------------------------------- --calibrate
+def test_train_draft_cli_refuses_calibrate_without_a_confidence_head_before_reading_the_corpus(
+    tmp_path, no_work, monkeypatch
+):
+    with pytest.raises(ValueError, match=re.escape("--calibrate greedy is invalid with --no-confidence")):
+        train.run(_draft_args(tmp_path, "--calibrate", "greedy", "--no-confidence"))
+    cfg = default_draft_config(
+        TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1, confidence_head=False
+    )
+    path = tmp_path / "dc.json"
+    path.write_text(json.dumps(cfg.to_hf_config()))
+    monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
+    want = f"--calibrate sampling is invalid: --draft-config {str(path)!r} has no confidence head"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        train.run(_draft_args(tmp_path, "--calibrate", "sampling", "--draft-config", str(path)))
+
+
+def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, monkeypatch):
+    """The trained draft is calibrated on the held-out text, saved with its temperatures, and
+    ``training.json`` records the fit (training and the fit itself stubbed: the wiring)."""
+    _stub_corpus(monkeypatch)
+    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
+    monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
+    target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
+    cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
+    trained = train._new_draft(cfg, target, 0)
+    monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
+    monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: target)
+    monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=trained, history={}, step=3))
+    monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": 1.0, "tv": 0.5, "bce": 0.6})
+    calls = []
+
+    def fit(draft, target_, tokens, *, labels, seq_len):
+        calls.append((labels, seq_len))
+        draft.confidence_head.sts_temperature.set_value(jnp.asarray([0.5, 0.6, 0.7, 0.8], jnp.float32))
+        return StsFit([0.5, 0.6, 0.7, 0.8], labels, [0.7] * 4, [0.6] * 4, [0.5] * 4, [0.4] * 4, 12)
+
+    monkeypatch.setattr("dspark_jax.calibration.fit_sts_temperature", fit)
+    train.run(_draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate", "greedy"))
+    assert calls == [("greedy", 40)]
+    info = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert info["sts_calibration"]["temperatures"] == [0.5, 0.6, 0.7, 0.8]
+    assert info["sts_calibration"]["labels"] == "greedy"
+    saved = load_draft(tmp_path / "draft", target=target)
+    np.testing.assert_allclose(saved.confidence_head.sts_temperature[...], [0.5, 0.6, 0.7, 0.8], rtol=1e-6)
