@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         n_plain = sum(len(t) for t in plain.tokens)
         print(f"τ ({label}) = {spec.tau_overall:.3f} tokens per round over {spec.rounds} rounds")
         print(f"acceptance by position 1..{draft.cfg.gamma}: {acc}")
+        if spec.confidence_by_position:  # the draft's own prediction of the line above
+            predicted = " ".join(f"{a:.2f}" for a in spec.confidence_by_position)
+            print(f"predicted by its confidence head:  {predicted}")
         print(
             f"speed: speculative {n_spec / spec_s:.1f} tok/s, plain {n_plain / plain_s:.1f} tok/s, "
             f"ratio {(n_spec / spec_s) / (n_plain / plain_s):.2f}× (compiled; second call timed)"

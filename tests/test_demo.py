@@ -20,6 +20,11 @@ def test_demo_prints_tau_above_one_and_matches_plain_greedy(capsys):
     assert all(t > 1.0 for t in taus.values()), taus
     assert "greedy output identical to plain decoding: yes" in out
     assert len(re.findall(r"^acceptance by position 1\.\.7: ", out, re.M)) == 2
+    predicted = re.findall(r"^predicted by its confidence head:  ((?:[01]\.\d\d ?){7})$", out, re.M)
+    assert len(predicted) == 2, out
+    for line in predicted:  # survival: never increases along the block
+        values = [float(v) for v in line.split()]
+        assert all(a >= b for a, b in zip(values, values[1:], strict=False)) and values[0] > 0
     assert len(re.findall(r"^speed: .* ratio [0-9.]+×", out, re.M)) == 2
 
 
