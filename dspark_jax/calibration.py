@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dspark_jax.draft import check_draft
-from dspark_jax.train import block_acceptance, draft_blocks, heldout_windows
+from dspark_jax.train import block_acceptance, map_heldout_blocks
 
 CALIBRATION_LABELS = ("sampling", "greedy")
 
@@ -150,19 +148,14 @@ def fit_sts_temperature(
         raise ValueError("the draft has no confidence head (enable_confidence_head=False): nothing to calibrate")
     if labels not in CALIBRATION_LABELS:
         raise ValueError(f"labels={labels!r} is invalid: expected one of {CALIBRATION_LABELS}")
-    windows = heldout_windows(
-        draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
-    )
-    dgraph, dstate = nnx.split(draft)
-    tgraph, tstate = nnx.split(target)
 
-    @jax.jit
-    def score(dstate, tstate, batch, anchors):
-        blocks = draft_blocks(nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate), batch, anchors)
+    def score(blocks):
         accept, match = block_acceptance(blocks)  # [N, γ] each
         return blocks["confidence_logits"], accept if labels == "sampling" else match
 
-    parts = [score(dstate, tstate, batch, anchors) for batch, anchors in windows]
+    parts = map_heldout_blocks(
+        draft, target, tokens, score, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
+    )
     z = np.concatenate([np.asarray(s, np.float64) for s, _ in parts])  # [N, γ]
     y = np.clip(np.concatenate([np.asarray(t, np.float64) for _, t in parts]), 0.0, 1.0)
     before = np.asarray(draft.confidence_head.sts_temperature[...], np.float64)  # [γ]

@@ -805,6 +805,28 @@ def heldout_windows(
     return [(sample_windows(tokens, batch_size, seq_len, rng), anchors) for _ in range(batches)]
 
 
+def map_heldout_blocks(
+    draft, target, tokens: np.ndarray, fn: Callable, *, batches: int, batch_size: int, seq_len: int, seed: int
+) -> list:
+    """``fn(blocks)`` (traced; ``blocks`` as :func:`draft_blocks` returns them) for each batch
+    of :func:`heldout_windows`, one compiled call per batch; returns their outputs.
+
+    Raises:
+      ValueError: as :func:`heldout_windows`.
+    """
+    windows = heldout_windows(
+        draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
+    )
+    dgraph, dstate = nnx.split(draft)
+    tgraph, tstate = nnx.split(target)
+
+    @jax.jit
+    def score(dstate, tstate, batch, anchors):
+        return fn(draft_blocks(nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate), batch, anchors))
+
+    return [score(dstate, tstate, batch, anchors) for batch, anchors in windows]
+
+
 def evaluate_draft(
     draft, target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 8, seq_len: int = 256, seed: int = 1
 ) -> dict[str, Any]:
@@ -825,22 +847,16 @@ def evaluate_draft(
         anchor's block or past either model's ``max_position_embeddings``, or a bad token
         stream (:func:`heldout_windows`).
     """
-    windows = heldout_windows(
-        draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
-    )
-    dgraph, dstate = nnx.split(draft)
-    tgraph, tstate = nnx.split(target)
 
-    @jax.jit
-    def score(dstate, tstate, batch, anchors):
-        d, t = nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate)
-        blocks = draft_blocks(d, t, batch, anchors)
+    def score(blocks):
         terms = block_loss_terms(
             blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks.get("confidence_logits")
         )
         return {**{k: v.mean() for k, v in terms.items()}, **acceptance_stats(blocks)}
 
-    results = [score(dstate, tstate, batch, anchors) for batch, anchors in windows]
+    results = map_heldout_blocks(
+        draft, target, tokens, score, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
+    )
     out = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *results)
     return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in out.items()}
 
