@@ -532,7 +532,9 @@ def test_train_target_cli_refuses_sizes_beyond_free_memory_before_any_work(tmp_p
         "--hidden-size 1000000, --intermediate-size 576, --layers 4, --heads 4, --kv-heads 2, --head-dim 48, "
         "--batch 64, --seq-len 256 (vocabulary 258): training needs at least 151.74 GB (9,483,000,384 parameters "
     )
-    with pytest.raises(ValueError, match=re.escape(want) + r".*more than the 8\.00 GB free on cpu; lower these sizes"):
+    platform = jax.devices()[0].platform  # the device whose free memory was read
+    free = rf".*more than the 8\.00 GB free on {platform}; lower these sizes"
+    with pytest.raises(ValueError, match=re.escape(want) + free):
         target_training.run(args)
     assert not out.exists()
 
