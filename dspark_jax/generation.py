@@ -325,6 +325,15 @@ def _check_models(target: Any, *draft: Any) -> None:
         check_draft(draft[0])
 
 
+def _check_confidence_head(cfg) -> None:
+    """Raises ``ValueError`` unless the draft has the confidence head a schedule ranks by."""
+    if not cfg.enable_confidence_head:
+        raise ValueError(
+            "verify_schedule needs a draft with a confidence head (enable_confidence_head=True): "
+            "the schedule ranks drafts by their confidence"
+        )
+
+
 def _check_schedule(table: Any, cfg, batch: int) -> jax.Array:
     """The ``verify_schedule`` table as a float32 device array, checked on the host.
 
@@ -333,11 +342,7 @@ def _check_schedule(table: Any, cfg, batch: int) -> jax.Array:
       ValueError: too short, a value negative or not finite, all zeros, or a draft
         without a confidence head.
     """
-    if not cfg.enable_confidence_head:
-        raise ValueError(
-            "verify_schedule needs a draft with a confidence head (enable_confidence_head=True): "
-            "the schedule ranks drafts by their confidence"
-        )
+    _check_confidence_head(cfg)
     values = np.asarray(table)
     if values.dtype == bool or not (
         np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
@@ -887,7 +892,7 @@ def measure_verify_schedule(
     gamma = draft.cfg.gamma
     widths = verify_widths(gamma + 1)
     size = batch * (gamma + 1) + 1
-    _check_schedule(np.ones(size), draft.cfg, batch)  # the confidence head
+    _check_confidence_head(draft.cfg)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, target.config.vocab_size, (batch, prompt_len)).tolist()
     # Each width decodes afresh from the prompts; a round commits 1 … γ + 1 tokens per

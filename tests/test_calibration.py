@@ -66,6 +66,16 @@ def test_fit_refuses_what_no_temperature_can_calibrate(scores, labels, message):
         fit_temperatures(scores, labels)
 
 
+def _without_confidence_head(draft, target) -> DSparkDraft:
+    """A draft of ``draft``'s shape whose config has no confidence head."""
+    return DSparkDraft(
+        dataclasses.replace(draft.cfg, enable_confidence_head=False, confidence_head_with_markov=False),
+        rngs=nnx.Rngs(0),
+        embed_tokens=target.embed_tokens,
+        lm_head=target.lm_head,
+    )
+
+
 @pytest.fixture(scope="module")
 def bundled():
     target, draft, tokenizer = load_bundled("dspark")
@@ -114,12 +124,7 @@ def test_sts_fit_refuses_bad_settings_by_name(bundled):
         fit_sts_temperature(draft, target, tokens, batches=0)
     with pytest.raises(TypeError, match="draft must be a DSparkDraft"):
         fit_sts_temperature(target, target, tokens)
-    no_head = DSparkDraft(
-        dataclasses.replace(draft.cfg, enable_confidence_head=False, confidence_head_with_markov=False),
-        rngs=nnx.Rngs(0),
-        embed_tokens=target.embed_tokens,
-        lm_head=target.lm_head,
-    )
+    no_head = _without_confidence_head(draft, target)
     with pytest.raises(ValueError, match="the draft has no confidence head"):
         fit_sts_temperature(no_head, target, jnp.asarray(tokens))
 
@@ -151,12 +156,7 @@ def test_calibrate_command_refuses_an_out_holding_a_model_and_a_draft_without_a_
     assert main(["calibrate", "--out", str(taken)]) == 2
     err = capsys.readouterr().err
     assert f"--out {str(taken)!r} already holds a model (config.json, model.safetensors): give a new folder\n" in err
-    no_head = DSparkDraft(
-        dataclasses.replace(draft.cfg, enable_confidence_head=False, confidence_head_with_markov=False),
-        rngs=nnx.Rngs(0),
-        embed_tokens=target.embed_tokens,
-        lm_head=target.lm_head,
-    )
+    no_head = _without_confidence_head(draft, target)
     save_draft(no_head, tmp_path / "no_head")
     assert main(["calibrate", "--draft", str(tmp_path / "no_head"), "--out", str(tmp_path / "out")]) == 2
     assert "has no confidence head (enable_confidence_head=False): nothing to calibrate" in capsys.readouterr().err
