@@ -134,9 +134,10 @@ def free_device_bytes(device: Any = None) -> int | None:
         return None
 
 
-def _footprint(compiled: Any) -> int | None:
+def executable_bytes(compiled: Any) -> int | None:
     """Bytes an executable allocates while it runs: its scratch area plus its outputs that
-    do not reuse a donated argument (XLA gives both their own buffers, live at once)."""
+    do not reuse a donated argument (XLA gives both their own buffers, live at once); None
+    where the backend gives no memory analysis."""
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError, AttributeError):
@@ -166,7 +167,7 @@ def sampling_extra_bytes(sampling: Any, greedy: Any, others: tuple[Any, ...] = (
     Returns:
       Bytes (≥ 0), or None when any executable reports no memory analysis.
     """
-    footprints = [_footprint(c) for c in (sampling, greedy, *others)]
+    footprints = [executable_bytes(c) for c in (sampling, greedy, *others)]
     if None in footprints:
         return None
     return max(footprints[0] - max(footprints[1:]), 0)

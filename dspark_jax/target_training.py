@@ -42,7 +42,9 @@ from dspark_jax.train import (
     check_resume_settings,
     check_schedule_fields,
     check_token_stream,
+    check_trainable_dtype,
     check_training_memory,
+    compile_training_step,
     fit,
     optimizer_for,
     positive_seconds,
@@ -114,18 +116,21 @@ def check_target_memory(cfg: TargetConfig, tcfg: TargetTrainConfig, *, sizes: st
     """:func:`~dspark_jax.train.check_training_memory` for a target: its parameters and one
     step's float32 logits ``[batch_size, seq_len, V]``. ``sizes`` names the settings in the
     message (default: the config's and ``tcfg``'s fields)."""
-    if sizes is None:
-        sizes = (
-            f"hidden_size={cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, "
-            f"num_hidden_layers={cfg.num_hidden_layers}, vocab_size={cfg.vocab_size}, "
-            f"batch_size={tcfg.batch_size}, seq_len={tcfg.seq_len}"
-        )
     logits = 4 * tcfg.batch_size * tcfg.seq_len * cfg.vocab_size
     return check_training_memory(
-        sizes,
+        target_sizes(cfg, tcfg) if sizes is None else sizes,
         lambda n: Qwen3Target(dataclasses.replace(cfg, num_hidden_layers=n), rngs=nnx.Rngs(0)),
         cfg.num_hidden_layers,
         activations=("float32 logits", logits),
+    )
+
+
+def target_sizes(cfg: TargetConfig, tcfg: TargetTrainConfig) -> str:
+    """The settings that set a target training run's memory, as the messages name them."""
+    return (
+        f"hidden_size={cfg.hidden_size}, intermediate_size={cfg.intermediate_size}, "
+        f"num_hidden_layers={cfg.num_hidden_layers}, vocab_size={cfg.vocab_size}, "
+        f"batch_size={tcfg.batch_size}, seq_len={tcfg.seq_len}"
     )
 
 
@@ -155,13 +160,16 @@ def train_target(
       A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
 
     Raises:
-      ValueError: ``seq_len`` does not fit the positions, the model and one step's logits
-        cannot fit in free memory (:func:`check_target_memory`), a bad token stream, ``resume``
+      ValueError: ``seq_len`` does not fit the positions, float16 parameters
+        (:func:`~dspark_jax.train.check_trainable_dtype`), the model and one step's logits
+        cannot fit in free memory (:func:`check_target_memory`) or the compiled step cannot
+        (:func:`~dspark_jax.train.compile_training_step`), a bad token stream, ``resume``
         without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, a checkpoint
         that cannot be resumed (naming the settings that differ), or a loss or parameters
         that become NaN or infinite (naming the step and the loss).
     """
     check_window_fits(cfg, tcfg.seq_len)
+    check_trainable_dtype("the target's", cfg)
     check_target_memory(cfg, tcfg)
     tokens = check_token_stream(tokens, tcfg.seq_len, cfg.vocab_size)
     if resume and checkpoint_dir is None:
@@ -169,7 +177,12 @@ def train_target(
     model = Qwen3Target(cfg, rngs=nnx.Rngs(tcfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = optimizer_for(tcfg)
-    train_step = make_target_train_step(graphdef, optimizer)
+    batch = jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.seq_len), jnp.int32)
+    train_step = compile_training_step(
+        make_target_train_step(graphdef, optimizer),
+        (params, rest, jax.eval_shape(optimizer.init, params), batch),
+        target_sizes(cfg, tcfg),
+    )
 
     def step_fn(params, opt_state, step):
         batch = sample_windows(tokens, tcfg.batch_size, tcfg.seq_len, np.random.default_rng([tcfg.seed, step]))

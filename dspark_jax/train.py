@@ -344,6 +344,70 @@ def check_training_memory(
     return need
 
 
+def check_trainable_dtype(what: str, cfg: Any) -> None:
+    """Raises ``ValueError`` when ``cfg.param_dtype`` is float16, which AdamW cannot train.
+
+    AdamW's ``eps`` (1e-8) and small second moments round to 0 in float16, so its first
+    update divides by zero and the parameters become infinite (bfloat16 keeps float32's
+    exponent range and trains).
+    """
+    if cfg.param_dtype == "float16":
+        raise ValueError(
+            f"{what} param_dtype='float16' cannot be trained: AdamW's eps and small second moments round to 0 in "
+            "float16 and the first update makes the parameters infinite; train with param_dtype='float32' (or "
+            "'bfloat16') and save as float16 afterwards"
+        )
+
+
+def compile_training_step(step: Callable, args: tuple, sizes: str, *, free: int | None = None) -> Callable:
+    """Compiles a jitted training ``step`` for ``args`` and refuses a run it cannot fit.
+
+    XLA's buffer assignment of the compiled step is exact where :func:`check_training_memory`
+    is a lower bound: the scratch area (the activations kept for the gradients, the logits,
+    the gradients), the outputs that reuse no donated argument, and every leaf of ``args``
+    not yet on the device (given as ``jax.ShapeDtypeStruct``: the parameters and optimizer
+    state about to be built, the batch). Leaves that are arrays are already allocated, so
+    the free memory has counted them. The executables are cached per ``step`` and argument
+    shapes, so runs of the same models and settings in one process compile once.
+
+    Args:
+      step: a ``jax.jit``-wrapped training step.
+      args: its arguments: arrays, or ``jax.ShapeDtypeStruct`` where they do not exist yet.
+      sizes: the settings that set the sizes, for the message.
+      free: the free bytes to compare with; default the first device's
+        (:func:`~dspark_jax.memory_gate.free_device_bytes`; no check when unknown).
+
+    Returns:
+      The compiled step, to be called with arrays of ``args``' shapes and dtypes.
+
+    Raises:
+      ValueError: the step needs more than the free memory, naming ``sizes`` and the parts.
+    """
+    from dspark_jax.memory_gate import executable_bytes, free_device_bytes
+
+    leaves, treedef = jax.tree.flatten(args)
+    shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False)) for x in leaves)
+    compiled = _compiled_step(step, treedef, shapes)
+    scratch = executable_bytes(compiled)
+    free = free_device_bytes() if free is None else free
+    if scratch is None or free is None:
+        return compiled
+    pending = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves if not isinstance(x, jax.Array))
+    if scratch + pending > free:
+        raise ValueError(
+            f"{sizes}: one compiled training step needs {(scratch + pending) / 1e9:.2f} GB (XLA's buffers: "
+            f"{scratch / 1e9:.2f} GB of activations, logits, gradients and outputs, {pending / 1e9:.2f} GB of "
+            f"parameters, optimizer state and batch), more than the {free / 1e9:.2f} GB free on "
+            f"{jax.devices()[0].platform}; lower these sizes"
+        )
+    return compiled
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_step(step: Callable, treedef: Any, shapes: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
+    return step.lower(*jax.tree.unflatten(treedef, shapes)).compile()
+
+
 def check_output_folder(out: str, *, resume: bool, flag: str = "--out", resumable: bool = True) -> None:
     """Refuses an output folder that a command would overwrite by accident.
 
@@ -958,8 +1022,10 @@ def train_draft(
       A :class:`TrainResult` with the draft and the metric history of the steps run.
 
     Raises:
-      ValueError: the draft does not fit the target, or it and one step's logits cannot fit
-        in free memory (:func:`check_draft_memory`); ``tcfg.anchors_per_seq`` above the
+      ValueError: the draft does not fit the target, or has float16 parameters
+        (:func:`check_trainable_dtype`); it and one step's logits cannot fit in free memory
+        (:func:`check_draft_memory`), or the compiled step cannot
+        (:func:`compile_training_step`); ``tcfg.anchors_per_seq`` above the
         distinct anchor positions of a sequence; a bad token stream or ``distilled`` array;
         ``distilled`` with ``tcfg.batch_size < 2`` (no batch row would come from it);
         ``resume`` without ``checkpoint_dir``; ``stop_at`` or ``max_seconds`` out of range;
@@ -967,6 +1033,7 @@ def train_draft(
         infinite.
     """
     check_draft_fits(draft_cfg, target.config, tcfg.seq_len, anchors_per_seq=tcfg.anchors_per_seq)
+    check_trainable_dtype("the draft's", draft_cfg)
     tokens = check_token_stream(tokens, tcfg.seq_len, draft_cfg.vocab_size)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
@@ -988,11 +1055,18 @@ def train_draft(
     check_max_seconds(max_seconds)
     check_draft_memory(draft_cfg, target, tcfg)
 
+    rows = draft_cfg.num_query_rows
+    tgraph, tstate = nnx.split(target)
     draft = _new_draft(draft_cfg, target, tcfg.seed)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    tgraph, tstate = nnx.split(target)
-    train_step = make_draft_train_step(graphdef, tgraph, tcfg)
-    rows = draft_cfg.num_query_rows
+    optimizer = optimizer_for(tcfg)
+    batch = jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.seq_len), jnp.int32)
+    anchors = jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.anchors_per_seq), jnp.int32)
+    train_step = compile_training_step(
+        make_draft_train_step(graphdef, tgraph, tcfg),
+        (params, rest, jax.eval_shape(optimizer.init, params), tstate, batch, anchors),
+        draft_sizes(draft_cfg, tcfg),
+    )
 
     def step_fn(params, opt_state, step):
         rng = np.random.default_rng([tcfg.seed, step])
@@ -1006,7 +1080,7 @@ def train_draft(
     params, history, done = fit(
         step_fn,
         params,
-        optimizer_for(tcfg).init(params),
+        optimizer.init(params),
         tcfg,
         name="draft",
         run_meta=draft_run_meta(draft_cfg, tcfg),
@@ -1030,17 +1104,21 @@ def check_draft_memory(draft_cfg: DraftConfig, target, tcfg: DraftTrainConfig, *
     """:func:`check_training_memory` for a draft trained against ``target``: the draft's own
     parameters and one step's float32 logits ``[batch_size, anchors_per_seq·rows, V]``.
     ``sizes`` names the settings in the message (default: the fields that set them)."""
-    if sizes is None:
-        sizes = (
-            f"num_hidden_layers={draft_cfg.num_hidden_layers}, markov_rank={draft_cfg.markov_rank}, "
-            f"block_size={draft_cfg.block_size}, batch_size={tcfg.batch_size}, anchors_per_seq={tcfg.anchors_per_seq}"
-        )
     rows = tcfg.batch_size * tcfg.anchors_per_seq * draft_cfg.num_query_rows
     return check_training_memory(
-        sizes,
+        draft_sizes(draft_cfg, tcfg) if sizes is None else sizes,
         lambda n: _new_draft(dataclasses.replace(draft_cfg, num_hidden_layers=n), target, 0),
         draft_cfg.num_hidden_layers,
         activations=("float32 logits", 4 * rows * draft_cfg.vocab_size),
+    )
+
+
+def draft_sizes(draft_cfg: DraftConfig, tcfg: DraftTrainConfig) -> str:
+    """The settings that set a draft training run's memory, as the messages name them."""
+    return (
+        f"num_hidden_layers={draft_cfg.num_hidden_layers}, markov_rank={draft_cfg.markov_rank}, "
+        f"block_size={draft_cfg.block_size}, batch_size={tcfg.batch_size}, seq_len={tcfg.seq_len}, "
+        f"anchors_per_seq={tcfg.anchors_per_seq}"
     )
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -547,6 +548,64 @@ def test_train_draft_cli_refuses_sizes_beyond_free_memory_before_reading_the_cor
     with pytest.raises(ValueError, match=re.escape(want) + "training needs at least"):
         train.run(_draft_args(tmp_path, "--layers", "100000"))
     assert not (tmp_path / "draft").exists()
+
+
+def test_compiled_step_check_counts_xla_buffers_and_arguments_not_yet_allocated():
+    """The need is the executable's scratch and unaliased outputs (XLA's analysis) plus the
+    bytes of the arguments given as shapes; arrays already on the device are not counted."""
+    step = jax.jit(lambda w, x: (w - 0.1 * x.T @ jnp.tanh(x @ w), jnp.sum(x @ w)), donate_argnums=(0,))
+    w, x = jnp.ones((64, 32), jnp.float32), jax.ShapeDtypeStruct((128, 64), jnp.float32)
+    stats = step.lower(w, x).compile().memory_analysis()
+    need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + 128 * 64 * 4
+    compiled = train.compile_training_step(step, (w, x), "width=32", free=need)
+    xs = jnp.linspace(-1.0, 1.0, 128 * 64, dtype=jnp.float32).reshape(128, 64)
+    chex.assert_trees_all_close(compiled(jnp.ones((64, 32)), xs), step(jnp.ones((64, 32)), xs))
+    with pytest.raises(ValueError, match=r"width=32: one compiled training step needs \d+\.\d\d GB .* more than"):
+        train.compile_training_step(step, (w, x), "width=32", free=need - 1)
+
+
+def _free_after_the_lower_bound(monkeypatch, bound):
+    """Free memory that passes the parameter bound by one byte (the step needs more)."""
+    monkeypatch.setattr("dspark_jax.memory_gate.free_device_bytes", lambda device=None: bound + 1)
+
+
+def test_train_target_refuses_a_step_beyond_free_memory_before_training(monkeypatch):
+    tcfg = target_training.TargetTrainConfig(steps=1, batch_size=4, seq_len=32)
+    _free_after_the_lower_bound(monkeypatch, target_training.check_target_memory(TARGET_CFG, tcfg, sizes="x"))
+    monkeypatch.setattr(target_training, "fit", _must_not_run)
+    want = f"vocab_size={TARGET_CFG.vocab_size}, batch_size=4, seq_len=32: one compiled training step needs"
+    with pytest.raises(ValueError, match=re.escape(want) + r".* GB of activations, logits, gradients and outputs"):
+        target_training.train_target(TARGET_CFG, np.zeros(64, np.int32), tcfg, progress=False)
+
+
+def test_train_draft_refuses_a_step_beyond_free_memory_before_training(monkeypatch):
+    target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
+    draft_cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
+    tcfg = DraftTrainConfig(steps=1, batch_size=2, seq_len=24, anchors_per_seq=2)
+    _free_after_the_lower_bound(monkeypatch, train.check_draft_memory(draft_cfg, target, tcfg, sizes="x"))
+    monkeypatch.setattr(train, "fit", _must_not_run)
+    want = "batch_size=2, seq_len=24, anchors_per_seq=2: one compiled training step needs"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        train_draft(target, draft_cfg, np.zeros(64, np.int32), tcfg, progress=False)
+
+
+def test_training_refuses_float16_parameters_naming_the_field():
+    want = "param_dtype='float16' cannot be trained: AdamW's eps and small second moments round to 0"
+    cfg = dataclasses.replace(TARGET_CFG, param_dtype="float16")
+    tcfg = target_training.TargetTrainConfig(steps=1, batch_size=2, seq_len=8)
+    with pytest.raises(ValueError, match="the target's " + re.escape(want)):
+        target_training.train_target(cfg, np.zeros(64, np.int32), tcfg, progress=False)
+    target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
+    draft_cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
+    draft_cfg = dataclasses.replace(draft_cfg, param_dtype="float16")
+    with pytest.raises(ValueError, match="the draft's " + re.escape(want)):
+        train_draft(
+            target,
+            draft_cfg,
+            np.zeros(64, np.int32),
+            DraftTrainConfig(steps=1, seq_len=24, anchors_per_seq=2),
+            progress=False,
+        )
 
 
 # --------------------------------------------------------------------------- --calibrate
