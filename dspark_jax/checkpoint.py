@@ -187,7 +187,7 @@ def _check_target(cfg: DraftConfig, target: Any) -> None:
     if cfg.target_layer_ids[-1] >= depth:
         raise ValueError(
             f"target num_hidden_layers={depth} does not fit the draft: its target_layer_ids="
-            f"{list(cfg.target_layer_ids)} need layers < {cfg.target_layer_ids[-1] + 1}"
+            f"{list(cfg.target_layer_ids)} need num_hidden_layers >= {cfg.target_layer_ids[-1] + 1}"
         )
 
 
@@ -273,17 +273,14 @@ def _borrowed(
     target: Any,
     embed_tokens: jax.Array | None,
     lm_head: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-    def stored(name: str) -> jax.Array | None:
-        if name not in files.names:
-            return None
-        return files.get_weight(name, cfg.jnp_param_dtype)
-
+) -> tuple[Any, Any]:
+    """Picks each borrowed table: the caller's array, the target's, or the name of the
+    checkpoint's tensor (a ``str``, read only after every check has passed)."""
     embed = embed_tokens
     if embed is None and target is not None:
         embed = target.embed_tokens
-    if embed is None:
-        embed = stored(EMBED_NAME)
+    if embed is None and EMBED_NAME in files.names:
+        embed = EMBED_NAME
     if embed is None:
         raise ValueError(
             f"no embed_tokens for the draft: the checkpoint has no {EMBED_NAME!r}; attach the target "
@@ -292,8 +289,8 @@ def _borrowed(
     head = lm_head
     if head is None and target is not None:
         head = target.lm_head
-    if head is None:
-        head = stored(LM_HEAD_NAME)
+    if head is None and LM_HEAD_NAME in files.names:
+        head = LM_HEAD_NAME
     if head is None and raw.get("tie_word_embeddings") is True:
         head = embed
     if head is None:
@@ -361,19 +358,25 @@ def load_draft(
     _check_heads(cfg, files.names)
     embed, head = _borrowed(cfg, raw, files, target, embed_tokens, lm_head)
 
-    abstract = nnx.eval_shape(lambda: DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=embed, lm_head=head))
+    def shaped(table: Any) -> Any:
+        if isinstance(table, str):  # a stored table, still on disk
+            return jax.ShapeDtypeStruct(files.shapes[table], cfg.jnp_param_dtype)
+        return jax.ShapeDtypeStruct(table.shape, table.dtype)
+
+    abstract = nnx.eval_shape(
+        lambda e, h: DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=e, lm_head=h), shaped(embed), shaped(head)
+    )
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     expected = {}
     for keys, leaf in _flatten(pure):
         name, transpose = tensor_name(keys)
         expected[name] = (keys, leaf, transpose)
-    borrowed = {EMBED_NAME: embed, LM_HEAD_NAME: head}
     optional = {STS_NAME}
 
     problems = []
     for name, (_, leaf, transpose) in sorted(expected.items()):
-        if name in borrowed:
+        if name in (EMBED_NAME, LM_HEAD_NAME):  # checked by DSparkDraft against the draft's shapes
             continue
         want = leaf.shape[::-1] if transpose else leaf.shape
         if name not in files.names:
@@ -393,6 +396,14 @@ def load_draft(
         raise ValueError(f"checkpoint {folder!r} does not match its config.json:\n  " + "\n  ".join(problems))
     _check_sts_temperature(files)
 
+    # Only now are arrays materialised on the device: the stored tables first (a tied
+    # lm_head is the same array), then the draft's own tensors.
+    if isinstance(embed, str):
+        embed = files.get_weight(embed, cfg.jnp_param_dtype)
+    head = embed if isinstance(head, str) and head == EMBED_NAME else head
+    if isinstance(head, str):
+        head = files.get_weight(head, cfg.jnp_param_dtype)
+    borrowed = {EMBED_NAME: embed, LM_HEAD_NAME: head}
     for name, (keys, leaf, transpose) in expected.items():
         if name in borrowed:
             value = borrowed[name]

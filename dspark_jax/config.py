@@ -512,9 +512,18 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
             kwargs[name] = hf[name]
     if "aux_hidden_state_layer_ids" in hf:
         # Speculators count HF hidden_states (0 = embeddings); DeepSpec counts layers.
+        # Checked here, before the shift, so that a message names the file's field and values.
         ids = hf["aux_hidden_state_layer_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(is_integer(i) for i in ids):
-            _fail("aux_hidden_state_layer_ids", ids, "must be a list of integers (HF hidden_states indices)")
+        field = "aux_hidden_state_layer_ids"
+        if not isinstance(ids, (list, tuple)) or not ids or not all(is_integer(i) for i in ids):
+            _fail(field, ids, "must be a non-empty list of integers (HF hidden_states indices)")
+        if any(b <= a for a, b in zip(ids[:-1], ids[1:], strict=True)):
+            _fail(field, ids, "must be strictly increasing")
+        if ids[0] < 0:
+            _fail(field, ids, "must be >= 0 (HF hidden_states index 0 is the embedding output)")
+        depth = kwargs.get("num_target_layers")
+        if is_integer(depth) and depth >= 1 and ids[-1] > depth:
+            _fail(field, ids, f"must lie inside the target's depth, 0 <= id <= num_target_layers={depth}")
         kwargs["target_layer_ids"] = tuple(i - 1 for i in ids)
     for name in (
         "markov_rank",

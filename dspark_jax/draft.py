@@ -136,13 +136,28 @@ class DSparkDraft(nnx.Module):
         """The residual stream entering layer 0: ``input_embeds [B, R, H]`` when given, else
         the in-graph embedding of ``input_ids [B, R]``.
 
+        The checks read static shapes and dtypes only (they work on tracers and add
+        nothing to the compiled program).
+
         Raises:
-          ValueError: both are None.
+          ValueError: both are None, ``input_embeds`` is not ``[B, R, H]`` with the draft's
+            ``H``, or ``input_ids`` (when used) is not ``[B, R]``.
+          TypeError: ``input_embeds`` is not floating point, or ``input_ids`` (when used) is
+            not integer.
         """
         if input_embeds is not None:
+            h = self.cfg.hidden_size
+            shape = tuple(jnp.shape(input_embeds))
+            if len(shape) != 3 or shape[-1] != h:
+                raise ValueError(f"input_embeds has shape {shape}: expected [B, R, H] with H = hidden_size={h}")
+            check_dtypes({"input_embeds": (input_embeds, jnp.floating)})
             return input_embeds.astype(self.cfg.jnp_dtype)
         if input_ids is None:
             raise ValueError("DSparkDraft needs input_ids or input_embeds; both are None")
+        shape = tuple(jnp.shape(input_ids))
+        if len(shape) != 2:
+            raise ValueError(f"input_ids has shape {shape}: expected [B, R] block token ids")
+        check_dtypes({"input_ids": (input_ids, jnp.integer)})
         return self.embed(input_ids)
 
     def block_ids(self, bonus: jax.Array) -> jax.Array:

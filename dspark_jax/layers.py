@@ -80,7 +80,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
       mask: ``[B, S, L]``, True where a query may see a key.
 
     Returns:
-      ``[B, S, NH * D]`` in ``q.dtype``.
+      ``[B, S, NH * D]`` in ``v.dtype``.
 
     Raises:
       ValueError: the shapes do not fit together as above, or ``NH`` is not a multiple

@@ -39,7 +39,10 @@ class MarkovHead(nnx.Module):
     def embed_prev(self, prev: jax.Array, *, clip: bool = False) -> jax.Array:
         """``[...]`` token ids → ``[..., r]`` rows of ``markov_w1``.
 
-        Out-of-range ids give NaN rows, or with ``clip`` the nearest row. The walk
+        Without ``clip``, ids follow ``jnp.take``: a negative id in ``[-V, 0)`` wraps to
+        row ``id + V`` (``-1`` is the last row), any other out-of-range id (``>= V`` or
+        ``< -V``) gives a NaN row. With ``clip``, every out-of-range id takes the nearest
+        row (a negative id row 0, an id ``>= V`` row ``V - 1``). The walk
         (:meth:`step`) clips: its ids are the anchor, range-checked on the host and embedded
         by the backbone too (an out-of-range anchor already makes the whole block NaN), and
         the walk's own picks, in range by construction; a clipped lookup is one gather,

@@ -18,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from dspark_jax import checkpoint
 from dspark_jax.cache import context_mask
 from dspark_jax.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_draft, save_draft
 from dspark_jax.config import TargetConfig
@@ -268,6 +269,18 @@ def test_misshapen_tensor_is_named_with_both_shapes(tmp_path):
         load_draft(path)
 
 
+def test_misshapen_tensor_is_refused_before_any_weight_reaches_the_device(tmp_path, monkeypatch):
+    path = _broken(tmp_path, reshape={"fc.weight": (32, 95)})  # the file also stores both borrowed tables
+    cast = []
+    real = checkpoint.cast_weight
+    monkeypatch.setattr(checkpoint, "cast_weight", lambda name, *args: cast.append(name) or real(name, *args))
+    with pytest.raises(ValueError, match=re.escape("tensor 'fc.weight' has shape [32, 95] in the checkpoint")):
+        load_draft(path)
+    assert cast == []
+    load_draft(_broken(tmp_path / "fine"))
+    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight"} <= set(cast)
+
+
 def test_markov_rank_mismatch_is_a_shape_error(tmp_path):
     path = _broken(tmp_path, reshape={"markov_head.markov_w2.weight": (40, 16)})
     with pytest.raises(
@@ -456,7 +469,7 @@ def test_shallow_target_is_refused_when_the_config_omits_its_depth(tmp_path):
     write_checkpoint(tmp_path, hf, deepspec_tensors(hf))
     tables = jnp.zeros((EMBED_ROWS, 32))
     target = types.SimpleNamespace(config=_target_config(num_hidden_layers=2), embed_tokens=tables, lm_head=tables)
-    with pytest.raises(ValueError, match=re.escape("its target_layer_ids=[-1, 0, 2] need layers < 3")):
+    with pytest.raises(ValueError, match=re.escape("its target_layer_ids=[-1, 0, 2] need num_hidden_layers >= 3")):
         load_draft(tmp_path, target=target)
 
 

@@ -115,6 +115,8 @@ def test_speculators_form_honours_sample_from_anchor_and_markov_fields():
 def test_aux_layer_id_zero_is_the_embedding_output():
     cfg = DraftConfig.from_hf_config(speculators_dict(aux_hidden_state_layer_ids=[0, 3]))
     assert cfg.target_layer_ids == (-1, 2)
+    deepest = DraftConfig.from_hf_config(speculators_dict(aux_hidden_state_layer_ids=[2, 36], num_target_layers=36))
+    assert deepest.target_layer_ids == (1, 35)
 
 
 @pytest.mark.parametrize("anchor", [True, False])
@@ -212,7 +214,15 @@ HF_ERRORS = [
     (lambda: speculators_dict(target_hidden_size=2560), "target_hidden_size", 2560,
      "must equal the draft hidden_size=4096"),
     (lambda: speculators_dict(aux_hidden_state_layer_ids="2,10"), "aux_hidden_state_layer_ids", "2,10",
-     "must be a list of integers"),
+     "must be a non-empty list of integers"),
+    (lambda: speculators_dict(aux_hidden_state_layer_ids=[]), "aux_hidden_state_layer_ids", [],
+     "must be a non-empty list of integers"),
+    (lambda: speculators_dict(aux_hidden_state_layer_ids=[-1, 3]), "aux_hidden_state_layer_ids", [-1, 3],
+     "must be >= 0 (HF hidden_states index 0 is the embedding output)"),
+    (lambda: speculators_dict(aux_hidden_state_layer_ids=[3, 1]), "aux_hidden_state_layer_ids", [3, 1],
+     "must be strictly increasing"),
+    (lambda: speculators_dict(aux_hidden_state_layer_ids=[2, 37], num_target_layers=36),
+     "aux_hidden_state_layer_ids", [2, 37], "0 <= id <= num_target_layers=36"),
     (lambda: speculators_dict(block_size=1), "block_size", 1,
      "counts the anchor row, so it must be >= 2"),
     (lambda: deepspec_dict(dflash_config=[1]), "dflash_config", [1], "must be a dict"),

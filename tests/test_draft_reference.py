@@ -6,6 +6,8 @@ with matmuls at "highest" precision; float32 round-off through two layers stays 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import np_reference as ref
@@ -234,6 +236,31 @@ def test_draft_forward_without_ids_or_embeddings_raises():
         draft(positions=jnp.zeros((1, 4), jnp.int32), ctx_k=None, ctx_v=None, ctx_mask=None)
 
 
+BAD_INPUTS = [
+    pytest.param({"input_ids": jnp.zeros((4,), jnp.int32)}, ValueError,
+                 "input_ids has shape (4,): expected [B, R]", id="ids-1d"),
+    pytest.param({"input_ids": jnp.zeros((1, 4), jnp.float32)}, TypeError,
+                 "input_ids has dtype float32: expected an integer dtype", id="ids-float"),
+    pytest.param({"input_embeds": jnp.zeros((1, 4, 31))}, ValueError,
+                 "input_embeds has shape (1, 4, 31): expected [B, R, H] with H = hidden_size=32", id="embeds-h"),
+    pytest.param({"input_embeds": jnp.zeros((4, 32))}, ValueError,
+                 "input_embeds has shape (4, 32): expected [B, R, H]", id="embeds-2d"),
+    pytest.param({"input_embeds": jnp.zeros((1, 4, 32), jnp.int32)}, TypeError,
+                 "input_embeds has dtype int32: expected a floating dtype", id="embeds-int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("inputs", "error", "message"), BAD_INPUTS)
+def test_draft_forward_refuses_ids_or_embeddings_of_the_wrong_shape_or_dtype(inputs, error, message):
+    draft = random_draft(tiny_config(), seed=0)
+    with pytest.raises(error, match=re.escape(message)):
+        draft(**inputs, positions=jnp.zeros((1, 4), jnp.int32), ctx_k=None, ctx_v=None, ctx_mask=None)
+    ((name, value),) = inputs.items()
+    traced = jax.jit(lambda x: draft.inputs(**{"input_ids": None, "input_embeds": None, name: x}))
+    with pytest.raises(error, match=re.escape(message)):  # static checks: the same on tracers
+        traced(value)
+
+
 def test_draft_refuses_a_borrowed_table_smaller_than_the_vocabulary():
     cfg = tiny_config()
     message = r"embed_tokens has shape \(39, 32\): expected \[V, 32\] with V >= vocab_size=40"
@@ -321,6 +348,16 @@ def test_markov_lookup_clips_in_the_walk_and_fills_nan_elsewhere():
     bad = jnp.asarray([-3, cfg.vocab_size, cfg.vocab_size + 7])
     np.testing.assert_array_equal(np.asarray(head.embed_prev(bad, clip=True)), table[[0, -1, -1]])
     assert np.isnan(np.asarray(head.embed_prev(bad[1:]))).all()
+
+
+def test_markov_lookup_wraps_negative_ids_like_jnp_take():
+    """Without ``clip``, ``[-V, 0)`` counts from the end and only ids below ``-V`` are NaN."""
+    cfg = tiny_config()
+    head = random_draft(cfg, seed=21).markov_head
+    table = np.asarray(head.markov_w1[...])
+    v = cfg.vocab_size
+    np.testing.assert_array_equal(np.asarray(head.embed_prev(jnp.asarray([-1, -v]))), table[[v - 1, 0]])
+    assert np.isnan(np.asarray(head.embed_prev(jnp.asarray([-v - 1])))).all()
 
 
 def test_rnn_state_is_carried_across_steps():
