@@ -73,8 +73,10 @@ def fit_temperatures(scores: np.ndarray, labels: np.ndarray, *, iters: int = 50)
 
     Raises:
       ValueError: shapes differ or are not ``[N >= 1, γ]``, a value is not finite, a
-        label lies outside ``[0, 1]``, or a column's scores do not rank its labels
-        (its best slope ``1 / T`` is not positive: no temperature calibrates it).
+        label lies outside ``[0, 1]``, or no positive temperature lowers a column's
+        cross-entropy below its value at ``1 / T = 0`` (``mean((½ − y)·z) >= 0``): its scores
+        are biased (the fit has no offset) or do not rank its labels, which temperature
+        scaling cannot fix.
     """
     z, y = np.asarray(scores, np.float64), np.asarray(labels, np.float64)
     if z.ndim != 2 or z.shape != y.shape or z.shape[0] < 1:
@@ -84,12 +86,14 @@ def fit_temperatures(scores: np.ndarray, labels: np.ndarray, *, iters: int = 50)
     if ((y < 0) | (y > 1)).any():
         raise ValueError("labels must lie in [0, 1]")
     # The loss is convex in the slope a; at a = 0 its derivative is mean((½ − y)·z).
-    downhill = np.mean((0.5 - y) * z, axis=0) < 0  # [γ] the loss falls for small a > 0
+    slope_at_zero = np.mean((0.5 - y) * z, axis=0)  # [γ]
+    downhill = slope_at_zero < 0  # [γ] the loss falls for small a > 0
     if not downhill.all():
         k = int(np.argmin(downhill))
         raise ValueError(
-            f"slot {k + 1}'s confidence scores do not rank its labels (no positive slope lowers the loss): "
-            "no temperature calibrates it"
+            f"slot {k + 1}: no positive temperature lowers the cross-entropy of sigmoid(score / T) against its "
+            f"labels (mean((1/2 - label) * score) = {slope_at_zero[k]:.4g}, not < 0): its confidence scores "
+            "are biased or do not rank its labels, and temperature scaling (no offset) cannot fix that"
         )
     a = np.ones(z.shape[1])
     for _ in range(iters):

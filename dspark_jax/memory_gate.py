@@ -21,7 +21,8 @@ largest own peak of the round's programs by exactly that (the closed form: 272,2
 * ``FORCE`` — fold sampling regardless of memory.
 * ``AUTO`` (default) — fold sampling only when the device keeps at least ``headroom``
   (1 GiB) free after the estimate; otherwise behave as ``OFF`` and warn once, naming
-  ``DSPARK_JAX_FOLDED_SAMPLING=FORCE``.
+  how to force it (:func:`force_hint`): ``folded_sampling="force"`` when the mode came
+  from the argument, ``DSPARK_JAX_FOLDED_SAMPLING=FORCE`` otherwise.
 
 The mode comes from the argument, else from the environment variable
 ``DSPARK_JAX_FOLDED_SAMPLING`` (``off`` / ``auto`` / ``force``, any case), else AUTO.
@@ -71,6 +72,23 @@ class FoldedSampling(enum.Enum):
                 pass
         allowed = ", ".join(m.value for m in cls)
         raise ValueError(f"{source}={mode!r} is invalid: must be one of {allowed} (any case)")
+
+
+def force_hint(mode: FoldedSampling | str | None) -> str:
+    """How to force folding, for a warning about an AUTO gate that turned it off.
+
+    Args:
+      mode: the ``folded_sampling`` argument the mode was resolved from (None: it came from
+        ``$DSPARK_JAX_FOLDED_SAMPLING`` or the default).
+
+    Returns:
+      ``'pass folded_sampling="force"'`` when the argument was given (the argument overrides
+      the environment variable, so setting it would do nothing), else
+      ``'set DSPARK_JAX_FOLDED_SAMPLING=FORCE (or pass folded_sampling="force")'``.
+    """
+    if mode is not None:
+        return 'pass folded_sampling="force"'
+    return f'set {ENV_VAR}=FORCE (or pass folded_sampling="force")'
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -62,7 +62,8 @@ class DraftBlock:
         in float32 from these values, is exactly the law the sampling rows drew from;
         ``[B, γ, 0]`` when sampling was not folded.
       greedy_mask: ``[B]`` bool, True for rows drafted greedily.
-      temperatures: ``[B]`` float32 temperatures, clamped below at 1e-5.
+      temperatures: ``[B]`` float32 temperatures, clamped below at 1e-5 (a NaN stays NaN;
+        its row is greedy).
       confidence: ``[B, γ]`` float32 acceptance probabilities; ``[B, 0]`` when the draft
         has no confidence head.
     """
@@ -489,7 +490,8 @@ def propose_with(
       cache: context cache with ``B`` request slots, ``[L, B, C, KVH, D]``.
       bonus: ``[B]`` int anchor tokens.
       prefix_lens: ``[B]`` int context lengths (the block sits at ``prefix_len + 0..R−1``).
-      temperatures: ``[B]`` float sampling temperatures (0 = greedy).
+      temperatures: ``[B]`` float sampling temperatures (a row whose temperature is not
+        ``> 0``, NaN included, is greedy).
       top_k: ``[B]`` int (``<= 1`` = greedy; ``TOP_K_ALL`` otherwise; never applied).
       key: one PRNG key (typed or raw) or per-row keys ``[B]``.
       fold_sampling: False folds greedy-only (every row greedy, empty corrected logits).

@@ -66,10 +66,10 @@ from dspark_jax.config import check_flag, positive_int
 from dspark_jax.draft import DSparkDraft, check_draft
 from dspark_jax.executable_store import ExecutableStore, default_directory
 from dspark_jax.memory_gate import (
-    ENV_VAR,
     GIB,
     FoldedSampling,
     GateDecision,
+    force_hint,
     plan_folded_sampling,
     sampling_extra_bytes,
 )
@@ -376,6 +376,7 @@ class Proposer:
         self._headroom = headroom
         self.unpad = unpad
         self._warned = False
+        self._force_hint = force_hint(folded_sampling)  # the warning's advice (see _set_gate)
         # ("piece", bucket, start, stop): a backbone piece; ("head", bucket, sampling): a head;
         # ("front", bucket, slots given): the first piece of device inputs (see _Front).
         self._programs: dict[tuple[Any, ...], Alternating] = {}
@@ -407,7 +408,7 @@ class Proposer:
             self._warned = True
             warnings.warn(
                 f"dspark_jax: folded sampling disabled ({gate.reason}); sampling batches take the "
-                f"eager path. Set {ENV_VAR}=FORCE to fold them anyway.",
+                f"eager path: {self._force_hint} to fold them anyway.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -724,7 +725,8 @@ class Proposer:
             construction).
           bonus: ``[B]`` int anchor tokens, ``B <= max_batch``.
           prefix_lens: ``[B]`` int context lengths.
-          temperatures: ``[B]`` float (0 = greedy).
+          temperatures: ``[B]`` float (0 = greedy; read in float32, so a positive one below
+            float32's smallest, 1.4e-45, is 0 too).
           top_k: ``[B]`` int (``<= 1`` = greedy).
           key: one PRNG key (typed or raw) or per-row keys ``[B]``.
           slots: ``[B]`` cache slot of each row (default ``0..B−1``, which needs

@@ -2,7 +2,7 @@
 
 Shape legend: B batch rows, V vocabulary.
 
-A row is greedy when its ``top_k <= 1`` or its temperature is 0; otherwise it samples
+A row is greedy when its ``top_k <= 1`` or its temperature is not ``> 0``; otherwise it samples
 from ``q = softmax(logits / T)`` (``T`` clamped below at :data:`MIN_TEMPERATURE`; top-k is
 never applied to the draft, ``DSPARK_SPEC.md`` §3). In float32 ``logits / T`` is
 ``logits · RN(1/T)``, one rounded reciprocal per row then a product
@@ -232,8 +232,14 @@ def check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
 
 
 def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
-    """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or temperature 0 (or below)."""
-    return (jnp.asarray(top_k) <= 1) | (jnp.asarray(temperatures) <= 0)
+    """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or a temperature that is not
+    ``> 0`` (0, below 0, or NaN).
+
+    The host entry points refuse a negative or NaN temperature; the jittable ones do not check
+    values, and there a NaN row takes the argmax rather than racing on ``x · (1/NaN)`` (every
+    score NaN: token 0 in every slot).
+    """
+    return (jnp.asarray(top_k) <= 1) | ~(jnp.asarray(temperatures) > 0)
 
 
 def clamp_temperatures(temperatures: jax.Array) -> jax.Array:
@@ -427,10 +433,13 @@ def block_mass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A race block's ``(top, mass)`` from its scores ``x = kept / T`` (NaN as ``-inf``).
 
     ``top = max x`` and ``mass = Σ round(exp(x − top) · 2³⁰)``, summed as integers (the high
-    and low 15 bits of each term apart, so the sums stay exact in int32 for blocks of up to
-    2¹⁶ tokens) and returned as float32: exact, so whatever order a kernel or XLA adds the terms
-    in, the mass is the same number. ``exp(x − top) ≤ 1`` and the top term is ``2³⁰``, so
-    ``mass ≥ 2³⁰``; terms below ``2⁻³¹`` round to 0 (relative error of the mass ``< W · 2⁻³¹``).
+    and low 15 bits of each term apart, so both int32 sums are exact for blocks of up to
+    2¹⁶ − 1 tokens; at 2¹⁶ equal tokens the high sum reaches 2³¹ and wraps) and returned as
+    ``f32(high) · 2¹⁵ + f32(low)`` in float32. That result is rounded, not the exact integer sum
+    (relative error below 2⁻²³), but it is a fixed function of the two exact sums, so whatever
+    order a kernel or XLA adds the terms in, the mass is the same number. ``exp(x − top) ≤ 1``
+    and the top term is ``2³⁰``, so ``mass ≥ 2³⁰``; terms below ``2⁻³¹`` round to 0 (the
+    integer rounding of the terms moves the mass by a relative ``< W · 2⁻³¹``).
     A block with ``top = ±inf`` gets ``mass = 0`` (see :func:`block_scores`).
 
     Args:

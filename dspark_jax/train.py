@@ -5,11 +5,11 @@ Shape legend: B sequences, S sequence length, A anchors per sequence, N = B·A b
 
 One step: the frozen target runs each sequence once and gives its logits and the fused
 features of every position (computed on the fly, no offline cache); the draft projects
-the features to context keys/values once per sequence; ``A`` random anchors per
-sequence each open a block ``[x_a, MASK, …]`` at positions ``a + 0..R−1`` that sees the
-context at positions ``< a``. Slot ``k`` is scored against the target's distribution of
-the token at ``a + k + 1`` on its Markov-corrected, teacher-forced logits
-(``prev = [x_a, x_{a+1} … x_{a+γ−1}]``)::
+the features to context keys/values once per sequence; ``A`` distinct random anchors per
+sequence (drawn without replacement, :func:`sample_anchors`) each open a block
+``[x_a, MASK, …]`` at positions ``a + 0..R−1`` that sees the context at positions ``< a``.
+Slot ``k`` is scored against the target's distribution of the token at ``a + k + 1`` on its
+Markov-corrected, teacher-forced logits (``prev = [x_a, x_{a+1} … x_{a+γ−1}]``)::
 
     loss = Σ_k w_k (0.1·CE_k + 0.9·TV_k + 1.0·BCE_k) / Σ_k w_k,   w_k = exp(−k / 4)
 
@@ -677,8 +677,35 @@ def anchor_positions(seq_len: int, rows: int) -> int:
 
 
 def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, seq_len: int, rows: int) -> np.ndarray:
-    """Anchors ``[B, A]`` in ``[1, S − R − 1]``: a non-empty context and every target inside the sequence."""
-    return rng.integers(1, seq_len - rows, size=(batch, anchors)).astype(np.int32)
+    """Each sequence's ``A`` distinct anchors, drawn without replacement and uniformly from
+    ``1 … S − R − 1`` (a non-empty context and every target inside the sequence).
+
+    Row ``b`` holds the first ``A`` entries of a uniform random permutation of those positions
+    (``rng.permuted`` shuffles every row apart), so no block counts twice in the loss, as in the
+    DFlash-lineage trainers. The draw depends on ``rng``'s state alone (reproducible per seed
+    and step).
+
+    Args:
+      rng: the step's NumPy generator.
+      batch: ``B`` sequences.
+      anchors: ``A`` anchors per sequence, at most :func:`anchor_positions`.
+      seq_len: ``S``.
+      rows: ``R``, the draft's query rows.
+
+    Returns:
+      int32 ``[B, A]``.
+
+    Raises:
+      ValueError: ``anchors`` is negative or above ``anchor_positions(seq_len, rows)``.
+    """
+    positions = max(anchor_positions(seq_len, rows), 0)
+    if not 0 <= anchors <= positions:
+        raise ValueError(
+            f"anchors={anchors} is invalid with seq_len={seq_len} and {rows} query rows: must be in "
+            f"[0, {positions}], the distinct anchor positions a sequence offers"
+        )
+    grid = np.broadcast_to(np.arange(1, positions + 1, dtype=np.int32), (batch, positions))  # [B, S − R − 1]
+    return np.ascontiguousarray(rng.permuted(grid, axis=1)[:, :anchors])
 
 
 def block_loss_terms(

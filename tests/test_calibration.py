@@ -57,7 +57,13 @@ def test_fit_minimises_the_cross_entropy_of_hard_labels_over_a_grid():
         (  # slot 2 scores high where its labels are low
             np.array([[2.0, 2.0], [-2.0, -2.0]]),
             np.array([[0.9, 0.1], [0.1, 0.9]]),
-            "slot 2's confidence scores do not rank its labels",
+            r"slot 2: no positive temperature lowers the cross-entropy .* = 0\.8, not < 0\): its confidence "
+            r"scores are biased or do not rank its labels, and temperature scaling \(no offset\) cannot fix that",
+        ),
+        (  # slot 1 ranks its labels (higher score, more often 1) but every score sits far above 0
+            np.array([[5.0], [4.0], [3.0], [2.0]]),
+            np.array([[0.6], [0.4], [0.2], [0.0]]),
+            r"slot 1: no positive temperature .* = 0\.45, not < 0\): its confidence scores are biased",
         ),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -189,10 +191,11 @@ def test_gate_counts_no_noise_array_where_the_race_kernel_draws_the_noise(monkey
 
 def test_auto_gate_short_of_memory_warns_and_samples_eagerly(forced):
     draft, reference, cache = forced
-    with pytest.warns(RuntimeWarning, match=f"{ENV_VAR}=FORCE"):
+    with pytest.warns(RuntimeWarning, match='pass folded_sampling="force" to fold them anyway') as caught:
         proposer = Proposer(
             draft, max_batch=1, capacity=CAPACITY, num_slots=SLOTS, folded_sampling="auto", free_bytes=1
         )
+    assert ENV_VAR not in str(caught[0].message)  # the argument overrides the variable
     assert not proposer.gate.enabled and proposer.gate.free_bytes == 1
     proposer.precompile()
     rng = np.random.default_rng(2)
@@ -207,6 +210,51 @@ def test_auto_gate_short_of_memory_warns_and_samples_eagerly(forced):
         expected = reference(cache, **args)
         np.testing.assert_array_equal(np.asarray(block.draft_tokens), np.asarray(expected.draft_tokens))
         np.testing.assert_allclose(np.asarray(block.corrected_logits), np.asarray(expected.corrected_logits), atol=1e-5)
+
+
+@pytest.mark.parametrize("env", ["auto", None])
+def test_auto_warning_names_the_environment_variable_when_the_mode_came_from_it(monkeypatch, env):
+    """Without the argument the mode comes from the variable (or the AUTO default), so setting
+    the variable is advice that works; with the argument it would do nothing (the test above)."""
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    if env is None:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(ENV_VAR, env)
+    with pytest.warns(RuntimeWarning, match=re.escape(f'set {ENV_VAR}=FORCE (or pass folded_sampling="force")')):
+        proposer = Proposer(draft, max_batch=1, capacity=CAPACITY, free_bytes=1)
+    assert proposer.gate.mode is FoldedSampling.AUTO and not proposer.gate.enabled
+    # With the argument given, the variable (set to FORCE here) is not read and not named.
+    monkeypatch.setenv(ENV_VAR, "force")
+    with pytest.warns(RuntimeWarning, match=r"disabled") as caught:
+        Proposer(draft, max_batch=1, capacity=CAPACITY, folded_sampling=FoldedSampling.AUTO, free_bytes=1)
+    assert ENV_VAR not in str(caught[0].message) and 'pass folded_sampling="force"' in str(caught[0].message)
+
+
+def test_a_nan_temperature_row_of_propose_is_drafted_greedily():
+    """``propose`` checks no values: a NaN temperature must make its row greedy (it used to race
+    on NaN scores and draft token 0 in every slot) and leave the other rows as they were."""
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    cache = make_cache(draft)
+    graphdef, state = nnx.split(draft)
+    step = jax.jit(propose, static_argnums=0, static_argnames="fold_sampling")
+    rng = np.random.default_rng(8)
+    args = dict(
+        bonus=rng.integers(0, draft.cfg.vocab_size, 4),
+        prefix_lens=np.array([6, 3, 0, 5]),
+        top_k=np.full(4, TOP_K_ALL),
+        slots=np.array([3, 0, 4, 1]),
+        key=jax.random.key(9),
+    )
+    temps = np.array([np.nan, 0.9, 0.0, 1.4], np.float32)
+    got = step(graphdef, state, cache, temperatures=temps, **args)
+    zero = step(graphdef, state, cache, temperatures=np.nan_to_num(temps, nan=0.0), **args)  # row 0 greedy by T = 0
+    greedy = step(graphdef, state, cache, temperatures=temps, **args, fold_sampling=False)  # every row greedy
+    np.testing.assert_array_equal(np.asarray(got.greedy_mask), [True, False, True, False])
+    np.testing.assert_array_equal(np.asarray(got.draft_tokens)[0], np.asarray(greedy.draft_tokens)[0])
+    assert np.asarray(got.draft_tokens)[0].any()  # the greedy tokens are not the NaN race's zeros
+    np.testing.assert_array_equal(np.asarray(got.draft_tokens), np.asarray(zero.draft_tokens))
+    np.testing.assert_array_equal(np.asarray(got.corrected_logits), np.asarray(zero.corrected_logits))
 
 
 def test_mode_comes_from_the_environment_variable(monkeypatch):

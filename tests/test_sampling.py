@@ -191,9 +191,11 @@ def test_temperature_is_clamped_at_min_temperature():
 
 
 def test_greedy_rows_rule():
-    temps = np.array([0.0, 0.0, 1.0, 1.0, 0.5, 0.7], np.float32)
-    top_k = np.array([TOP_K_ALL, 1, 1, 0, 2, TOP_K_ALL])
-    np.testing.assert_array_equal(np.asarray(greedy_rows(temps, top_k)), [True, True, True, True, False, False])
+    temps = np.array([0.0, 0.0, 1.0, 1.0, 0.5, 0.7, np.nan, -1.0, 1e-30], np.float32)
+    top_k = np.array([TOP_K_ALL, 1, 1, 0, 2, TOP_K_ALL, TOP_K_ALL, TOP_K_ALL, TOP_K_ALL])
+    want = [True, True, True, True, False, False, True, True, False]  # NaN is not > 0: greedy
+    np.testing.assert_array_equal(np.asarray(greedy_rows(temps, top_k)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_rows)(temps, top_k)), want)
 
 
 def test_zero_temperature_row_is_greedy_through_the_rule():

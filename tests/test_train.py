@@ -28,6 +28,7 @@ from dspark_jax.train import (
     load_train_state,
     lr_schedule,
     make_optimizer,
+    sample_anchors,
     train_draft,
 )
 
@@ -244,7 +245,7 @@ def test_draft_reading_layers_the_target_lacks_is_refused():
 
 
 def test_more_anchors_than_a_sequence_offers_are_refused():
-    """Anchors lie in 1 … seq_len − rows − 1; more were drawn with replacement (or exhausted memory)."""
+    """Anchors lie in 1 … seq_len − rows − 1 and a sequence's are distinct: more cannot be drawn."""
     rows = DRAFT_CFG.num_query_rows
     limit = 24 - rows - 1
     check_draft_fits(DRAFT_CFG, TARGET_CFG, 24, anchors_per_seq=limit)
@@ -257,6 +258,46 @@ def test_more_anchors_than_a_sequence_offers_are_refused():
             _tcfg(anchors_per_seq=limit + 1),
             progress=False,
         )
+
+
+def test_each_sequences_anchors_are_distinct_and_in_range():
+    """Drawn with replacement, 15 of 16 sequences of the default shape repeated an anchor."""
+    for seed, (batch, anchors, seq_len, rows) in enumerate([(16, 32, 256, 7), (50, 12, 20, 7), (3, 1, 9, 7)]):
+        got = sample_anchors(np.random.default_rng(seed), batch, anchors, seq_len, rows)
+        assert got.dtype == np.int32 and got.shape == (batch, anchors)
+        assert got.min() >= 1 and got.max() <= seq_len - rows - 1
+        assert all(len(set(row)) == anchors for row in got.tolist())
+
+
+def test_anchors_as_many_as_the_positions_are_a_permutation_of_them():
+    got = sample_anchors(np.random.default_rng(1), 40, 12, 20, 7)  # 12 = 20 − 7 − 1 positions
+    np.testing.assert_array_equal(np.sort(got, axis=1), np.broadcast_to(np.arange(1, 13), (40, 12)))
+    assert len({tuple(row) for row in got.tolist()}) > 30  # shuffled, not one fixed order
+
+
+def test_anchor_positions_are_uniform():
+    """Without replacement each of the P positions is in a row's A anchors with probability A/P
+    (and is its first anchor with probability 1/P), independently across rows: every count over
+    ``n`` rows is binomial, and a correct sampler leaves all 2·P of them within 5 standard
+    deviations with probability above 1 − 2·18·6e-7."""
+    n, anchors, seq_len, rows = 20_000, 5, 24, 5
+    positions = seq_len - rows - 1  # 18
+    got = sample_anchors(np.random.default_rng(2), n, anchors, seq_len, rows)
+    for counts, p in (
+        (np.bincount(got.ravel(), minlength=positions + 1)[1:], anchors / positions),
+        (np.bincount(got[:, 0], minlength=positions + 1)[1:], 1 / positions),
+    ):
+        assert counts.size == positions
+        np.testing.assert_array_less(np.abs(counts - n * p), 5 * np.sqrt(n * p * (1 - p)))
+
+
+def test_anchors_are_reproducible_per_generator_state_and_refuse_more_than_the_positions():
+    first = sample_anchors(np.random.default_rng((3, 7)), 4, 6, 24, 5)
+    np.testing.assert_array_equal(sample_anchors(np.random.default_rng((3, 7)), 4, 6, 24, 5), first)
+    assert not np.array_equal(sample_anchors(np.random.default_rng((3, 8)), 4, 6, 24, 5), first)
+    want = "anchors=19 is invalid with seq_len=24 and 5 query rows: must be in [0, 18]"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        sample_anchors(np.random.default_rng(0), 4, 19, 24, 5)
 
 
 def test_a_diverging_target_run_stops_before_saving_instead_of_returning_nan_weights(tmp_path):
