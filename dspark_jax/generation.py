@@ -206,12 +206,19 @@ def _requests(
     stop_tokens,
 ) -> tuple[np.ndarray, np.ndarray, Requests]:
     """Validates the inputs on the host; returns ``(tokens [B, P], lengths [B], requests)``."""
+    if isinstance(prompts, (np.ndarray, jax.Array)):  # [B, P]: B prompts of P tokens
+        if prompts.ndim != 2 or prompts.size == 0:
+            raise ValueError(f"prompts has shape {prompts.shape}: an array of prompts must be [B, P] with B, P >= 1")
+        prompts = list(np.asarray(prompts))
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts={prompts!r} is invalid: expected a non-empty list of token id lists")
     batch = len(prompts)
     rows = []
     for b, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
+        try:
+            ids = np.asarray(prompt)
+        except ValueError:  # ragged nesting
+            ids = np.empty((0, 0))
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"prompts[{b}] is empty or not a flat list of token ids: every prompt needs >= 1 token")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -293,8 +300,10 @@ def _check_positions(lengths: np.ndarray, max_new: np.ndarray, lookahead: int, l
         )
 
 
-def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, extra: int) -> int:
-    need = int((lengths.astype(np.int64) + max_new).max()) + extra
+def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, lookahead: int) -> int:
+    """The cache capacity: ``capacity``, checked, or the bucket of the positions the requests
+    need (as :func:`_check_positions`: prompt and output, plus ``lookahead``)."""
+    need = int((lengths.astype(np.int64) + max_new).max()) + lookahead
     if capacity is None:
         return _bucket(need)
     capacity = _scalar(capacity)
@@ -304,7 +313,8 @@ def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, extra: in
         b = int(np.argmax(lengths.astype(np.int64) + max_new))
         raise ValueError(
             f"capacity={capacity!r} is too small: prompt {b} has {int(lengths[b])} tokens and may generate "
-            f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens + {extra})"
+            f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens"
+            + (" + gamma - 1, the positions the last round verifies past the output)" if lookahead else ")")
         )
     return int(capacity)
 
@@ -763,15 +773,17 @@ def speculative_generate(
       target: a :class:`~dspark_jax.target.Target` (e.g. ``Qwen3Target``).
       draft: a :class:`~dspark_jax.draft.DSparkDraft` that borrows the target's
         embedding and lm_head.
-      prompts: ``B`` lists of token ids, each non-empty, of any lengths.
+      prompts: ``B`` lists of token ids, each non-empty, of any lengths (or one ``[B, P]``
+        integer array of equal-length prompts).
       max_new_tokens: new tokens per request, in ``[1, 2**31 − 1]``.
-      temperature: 0 = greedy.
+      temperature: 0 = greedy; read in float32, so a positive one below float32's
+        smallest (1.4e-45) is 0 too.
       top_k: ``None`` = no top-k, 1 = greedy.
       top_p: nucleus mass in ``(0, 1]``.
       stop_tokens: ids that end a request (one list for all, or one list per request).
       key: one PRNG key (used only by sampling requests).
-      capacity: cache positions per request; default prompt + max_new_tokens + γ + 1,
-        rounded up.
+      capacity: cache positions per request: at least prompt + max_new_tokens + γ − 1 (the
+        last round verifies γ − 1 positions past the output); default that, rounded up.
       device_loop: run all rounds inside one compiled ``while_loop`` (no host sync per
         round) instead of one compiled call per round from a Python loop. Same tokens.
       verify_schedule: ``None`` (the target verifies all γ + 1 tokens of every round) or
@@ -829,7 +841,7 @@ def speculative_generate(
         lengths,
         requests,
         key,
-        capacity=_capacity(capacity, lengths, max_new, gamma + 1),
+        capacity=_capacity(capacity, lengths, max_new, gamma - 1),
         out_len=_bucket(int(max_new.max()) + gamma + 1),
         uniform_verify=uniform_verify,
     )
@@ -914,7 +926,7 @@ def measure_verify_schedule(
         lengths,
         requests,
         jax.random.key(seed),
-        capacity=_capacity(None, lengths, np.asarray(requests.max_new), gamma + 1),
+        capacity=_capacity(None, lengths, np.asarray(requests.max_new), gamma - 1),
         out_len=_bucket(max_new + gamma + 1),
         uniform_verify=True,
     )
@@ -1086,7 +1098,7 @@ def generate(
     device_loop = _check_flag("device_loop", device_loop)
     max_new = np.asarray(requests.max_new)
     _check_positions(lengths, max_new, 0, dict(target=getattr(target.config, "max_position_embeddings", None)))
-    capacity = _capacity(capacity, lengths, max_new, 1)
+    capacity = _capacity(capacity, lengths, max_new, 0)
     target_def, target_state = _split(target)
     program = _plain_program(target_def, **_variant(requests, target.config.vocab_size))
     state = program.start(

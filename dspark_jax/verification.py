@@ -39,6 +39,7 @@ whole vocabulary get the softmax itself in every variant, so all variants agree 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -67,6 +68,7 @@ _TEMPERATURES = (
 )
 _TOP_K = (lambda k: (k >= 1) & (k <= TOP_K_MAX), f"must be an integer in [1, {TOP_K_MAX}] (1 = greedy)")
 _TOP_P = (lambda p: (p > 0) & (p <= 1), "must be a number in (0, 1]")
+_PROBABILITIES = (lambda c: (c >= 0) & (c <= 1), "must be a probability in [0, 1]")
 
 
 def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
@@ -189,6 +191,9 @@ def target_probs(
 ) -> jax.Array:
     """The target's sampling distribution: ``softmax(logits / T)`` with top-k / top-p.
 
+    Logits are read as :func:`~dspark_jax.sampling.greedy_step` reads them: a NaN counts as
+    ``−inf``, and a row holding ``+inf`` entries spreads its mass evenly over them.
+
     Args:
       logits: ``[B, ..., V]``.
       temperatures: ``[B]`` (clamped below at ``1e-5``).
@@ -218,7 +223,11 @@ def _target_probs(logits, temperatures, top_k, top_p, filter_width: int | None) 
     extra = logits.ndim - 2
     expand = (slice(None),) + (None,) * extra
     inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[expand + (None,)]
-    probs = jax.nn.softmax(logits.astype(jnp.float32) * inverse_t, axis=-1)  # logits / T
+    x = logits.astype(jnp.float32) * inverse_t  # logits / T
+    # As greedy_step reads logits: NaN counts as −inf, and +inf entries win (here: share the mass).
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    x = jnp.where(jnp.max(x, axis=-1, keepdims=True) == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf), x)
+    probs = jax.nn.softmax(x, axis=-1)
     if filter_width == 0:
         return probs
     rows = probs.shape[:-1]
@@ -357,6 +366,14 @@ def accept_with_noise(
         ``temperatures`` or ``top_p`` not of a floating one.
     """
     _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniforms, exponentials, filter_width)
+    block = block.replace(  # lists and NumPy arrays are fine too
+        **{
+            f.name: jnp.asarray(getattr(block, f.name))
+            for f in dataclasses.fields(block)
+            if getattr(block, f.name) is not None
+        }
+    )
+    verify_len = None if verify_len is None else jnp.asarray(verify_len)
     b, t, v = target_logits.shape
     gamma = t - 1
     drafts = block.draft_tokens.astype(jnp.int32)  # [B, γ]
@@ -516,7 +533,8 @@ def schedule_verify_lengths(
     (the anchor and ``w − 1`` drafts per row; ties go to the narrower width).
 
     Args:
-      confidence: ``[B, γ]`` per-slot acceptance probabilities.
+      confidence: ``[B, γ]`` per-slot acceptance probabilities; traced values outside
+        ``[0, 1]`` are clipped into it (NaN counts as 0), so survival never increases.
       steps_per_second: ``[N]`` measured decoding steps (whole rounds) per second when the
         batch verifies ``t`` tokens in total (anchors included), indexed by ``t``;
         ``N > B·(γ+1)``.
@@ -528,8 +546,9 @@ def schedule_verify_lengths(
       ``verify_len [B]`` int32 in ``[1, γ+1]``.
 
     Raises:
-      ValueError: ``confidence`` is not ``[B, γ]``, ``steps_per_second`` not ``[N]`` with
-        ``N > B·(γ+1)``, ``widths`` empty, repeated or outside ``[1, γ+1]``.
+      ValueError: ``confidence`` is not ``[B, γ]`` or (concrete) holds a value outside
+        ``[0, 1]`` or NaN, ``steps_per_second`` not ``[N]`` with ``N > B·(γ+1)``, ``widths``
+        empty, repeated or outside ``[1, γ+1]``.
       TypeError: either array is not of a floating dtype; ``widths`` not a tuple of
         integers.
     """
@@ -545,9 +564,12 @@ def schedule_verify_lengths(
             f"steps_per_second has {steps_per_second.shape[0]} entries: needs more than "
             f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
         )
+    _check_values({"confidence": (confidence, _PROBABILITIES)})
+    confidence = jnp.asarray(confidence, jnp.float32)
+    confidence = jnp.where(confidence > 0, jnp.minimum(confidence, 1.0), 0.0)  # traced: NaN and below 0 → 0
     if widths is not None:
         return _uniform_verify_length(confidence, steps_per_second, _check_widths(widths, gamma))
-    survival = jnp.cumprod(confidence.astype(jnp.float32), axis=-1).reshape(-1)  # [B·γ]
+    survival = jnp.cumprod(confidence, axis=-1).reshape(-1)  # [B·γ]
     order = jnp.argsort(-survival, stable=True)
     gain = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(survival[order])])  # [B·γ + 1]
     budget = jnp.arange(b * gamma + 1)
@@ -569,7 +591,7 @@ def _check_widths(widths: Any, gamma: int) -> tuple[int, ...]:
 def _uniform_verify_length(confidence: jax.Array, steps_per_second: jax.Array, widths: tuple[int, ...]) -> jax.Array:
     """The uniform rule of :func:`schedule_verify_lengths`: one length for every row."""
     b, gamma = confidence.shape
-    survival = jnp.cumprod(confidence.astype(jnp.float32), axis=-1)  # [B, γ]
+    survival = jnp.cumprod(confidence, axis=-1)  # [B, γ]
     # gain[j] = Σ_b Σ_{k < j} S[b, k]: the expected accepted drafts when each row verifies j of them.
     gain = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.sum(survival, axis=0))])  # [γ + 1]
     w = jnp.asarray(widths, jnp.int32)  # [W] ascending

@@ -435,6 +435,8 @@ def small_pair():
     [
         (dict(prompts=[]), ValueError, "prompts"),
         (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),
+        (dict(prompts=[[1, [2]], [3]]), ValueError, r"prompts\[0\] is empty or not a flat list of token ids"),
+        (dict(prompts=np.ones((2, 2, 2), np.int32)), ValueError, r"prompts has shape \(2, 2, 2\): .* \[B, P\]"),
         (dict(prompts=[[1, V]]), ValueError, r"prompts\[0\]\[1\]=24 is outside the vocabulary"),
         (dict(prompts=[[-1]]), ValueError, "outside the vocabulary"),
         (dict(capacity=8), ValueError, "capacity=8 is too small"),
@@ -475,13 +477,22 @@ def test_bad_input_raises_before_compiling(small_pair, kwargs, error, message):
         speculative_generate(target, draft, **args)
 
 
+def test_prompts_may_be_one_array_of_equal_length_prompts(small_pair):
+    target, draft = small_pair
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    for decode in (functools.partial(speculative_generate, target, draft), functools.partial(generate, target)):
+        want = decode(prompts, max_new_tokens=4, key=jax.random.key(0)).tokens
+        assert decode(np.asarray(prompts), max_new_tokens=4, key=jax.random.key(0)).tokens == want
+        assert decode(jnp.asarray(prompts), max_new_tokens=4, key=jax.random.key(0)).tokens == want
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
         (dict(device_loop="no"), TypeError, "device_loop='no' is invalid: must be True or False"),
         (dict(temperature=[0.0, True]), TypeError, r"temperature\[1\]=True is invalid"),
         (dict(stop_tokens=5), TypeError, "stop_tokens=5 is invalid"),
-        (dict(capacity=np.int64(8)), ValueError, "capacity=8 is too small"),
+        (dict(capacity=np.int64(7)), ValueError, "capacity=7 is too small"),
     ],
 )
 def test_plain_generate_refuses_bad_input(small_pair, kwargs, error, message):
@@ -687,6 +698,29 @@ def test_requests_past_max_position_embeddings_are_refused(target_limit, draft_l
             generate(target, prompts, max_new_tokens=7, key=key)
     with pytest.raises(ValueError, match="capacity=1 is too small"):
         generate(target, prompts, max_new_tokens=6, key=key, capacity=1)
+
+
+@pytest.mark.parametrize("device_loop", [False, True])
+def test_the_smallest_capacity_accepted_gives_the_same_tokens_as_a_large_one(device_loop):
+    """Both decoders accept exactly the positions they refuse past ``max_position_embeddings``
+    (speculative: prompt + max_new_tokens + γ − 1; plain: prompt + max_new_tokens), one less is
+    refused naming the sum, and at the smallest the tokens (greedy and sampled, requests
+    ending at different rounds, a weak draft so that every output length is reached) equal
+    those of a roomy cache."""
+    target, bigram = _bigram_target(V, context_scale=60.0)
+    draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.3, strength=100.0)
+    prompts, max_new = [[1, 2, 3], [4] * 7, [5]], [9, 6, 11]
+    run = dict(max_new_tokens=max_new, temperature=[0.0, 0.8, 0.0], key=jax.random.key(3), device_loop=device_loop)
+    for decode, need, terms in [
+        (functools.partial(speculative_generate, target, draft), 7 + 6 + 3, r"max_new_tokens \+ gamma - 1, the"),
+        (functools.partial(generate, target), 7 + 6, r"max_new_tokens\)"),
+    ]:
+        roomy = decode(prompts, capacity=64, **run).tokens
+        assert decode(prompts, capacity=need, **run).tokens == roomy
+        with pytest.raises(
+            ValueError, match=rf"capacity={need - 1} is too small: .* needs capacity >= {need} \(prompt \+ {terms}"
+        ):
+            decode(prompts, capacity=need - 1, **run)
 
 
 def test_misfit_draft_raises(small_pair):

@@ -282,6 +282,38 @@ def _exact_outcomes(logits, drafts, corrected, temp, k, p, cap):
     return out
 
 
+def test_target_probs_read_nan_and_infinite_logits_as_greedy_step_does():
+    """A NaN logit counts as −inf and ``+inf`` entries share the mass, so a sampling row picks
+    what the greedy row picks (the softmax alone would make the whole row NaN: token 0)."""
+    logits = jnp.asarray([[0.0, 1.0, jnp.inf, 0.0, jnp.inf], [0.0, 1.0, 2.0, jnp.nan, 0.0]], jnp.float32)
+    ones, all_k, temps = jnp.ones(2, jnp.float32), jnp.full(2, TOP_K_ALL, jnp.int32), jnp.full(2, 0.7, jnp.float32)
+    probs = np.asarray(target_probs(logits, temps, all_k, ones))
+    np.testing.assert_allclose(probs[0], [0, 0, 0.5, 0, 0.5])
+    want = _softmax(np.asarray([0.0, 1.0, 2.0, -np.inf, 0.0]) / 0.7)
+    np.testing.assert_allclose(probs[1], want, rtol=1e-6)
+    for seed in range(20):
+        tokens = np.asarray(sample_tokens(logits, temps, all_k, ones, key=jax.random.key(seed)))
+        assert tokens[0] in (2, 4) and tokens[1] != 3
+
+
+def test_accept_takes_lists_for_verify_len_and_the_blocks_arrays():
+    rng = np.random.default_rng(4)
+    b, gamma, v = 3, 2, 5
+    logits = jnp.asarray(rng.standard_normal((b, gamma + 1, v)), jnp.float32)
+    drafts, corrected = rng.integers(0, v, (b, gamma)), rng.standard_normal((b, gamma, v))
+    block = _block(drafts, corrected, np.array([True, False, False]), [0.0, 1.0, 0.5])
+    noise = dict(
+        top_k=jnp.full(b, TOP_K_ALL, jnp.int32),
+        top_p=jnp.ones(b, jnp.float32),
+        uniforms=jnp.asarray(rng.random((b, gamma)), jnp.float32),
+        exponentials=jnp.asarray(rng.exponential(size=(b, v)), jnp.float32),
+    )
+    want = accept_with_noise(logits, block, verify_len=jnp.asarray([3, 2, 1], jnp.int32), **noise)
+    as_lists = block.replace(draft_tokens=drafts.tolist(), temperatures=np.asarray(block.temperatures).tolist())
+    got = accept_with_noise(logits, as_lists, verify_len=[3, 2, 1], **noise)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_accept_outcome_distribution_matches_enumeration():
     rng = np.random.default_rng(2)
     n_rows, gamma, v = 40_000, 3, 5
@@ -380,6 +412,22 @@ def test_schedule_verify_lengths_refuses_wrong_ranks_and_dtypes():
         schedule_verify_lengths(jnp.ones((2, 3)), jnp.ones((20, 1)))
     with pytest.raises(TypeError, match="confidence has dtype int32: expected a floating dtype"):
         schedule_verify_lengths(jnp.ones((2, 3), jnp.int32), jnp.ones((20,)))
+
+
+@pytest.mark.parametrize("bad", [5.0, -0.5, np.nan])
+def test_schedule_verify_lengths_refuses_confidence_outside_0_1_and_clips_it_when_traced(bad):
+    """Concrete confidences must be probabilities; traced ones are clipped into [0, 1] (NaN as 0),
+    so the chosen entries stay a prefix of each row: with [[0.1, 5.0]] unclipped the
+    survivals [0.1, 0.5] would pick slot 1 alone and verify slot 0 instead."""
+    conf = np.asarray([[0.1, bad], [0.3, 0.2]], np.float32)
+    table = np.asarray([1, 1, 1, 1, 0, 0, 0], np.float32)  # a budget of at most 1 draft beyond the anchors
+    with pytest.raises(ValueError, match=rf"confidence\[0, 1\]={bad} is invalid: must be a probability in \[0, 1\]"):
+        schedule_verify_lengths(conf, table)
+    clipped = np.clip(np.nan_to_num(conf, nan=0.0), 0.0, 1.0)
+    for widths in (None, (1, 2, 3)):
+        run = jax.jit(functools.partial(schedule_verify_lengths, widths=widths))
+        np.testing.assert_array_equal(run(conf, table), schedule_verify_lengths(clipped, table, widths=widths))
+    np.testing.assert_array_equal(jax.jit(schedule_verify_lengths)(conf, table), [1, 2])  # row 1's 0.3 wins
 
 
 def test_accept_refuses_a_greedy_mask_that_is_not_bool():
