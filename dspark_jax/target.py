@@ -157,7 +157,9 @@ class Qwen3Target(nnx.Module):
           cache: the KV cache, ``[L, B, C, KVH, D]`` as :meth:`init_cache` makes it.
           valid: ``[B, S]`` bool; False rows (padding) are neither cached nor seen.
           feature_layers: tuple of target layer ids to tap, ``-1 <= id < L``
-            (``-1`` = embedding output).
+            (``-1`` = embedding output; id ``i`` = decoder layer ``i``'s output, before the
+            final norm even for ``i = L − 1``, as serving stacks capture the residual stream;
+            HF's ``hidden_states[L]`` comes after the norm. No released draft taps ``L − 1``).
 
         Returns:
           ``(logits [B, S, V] float32, features [B, S, K·H], new cache)``.
