@@ -429,6 +429,12 @@ def check_pair(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> None:
         raise ValueError(
             f"draft vocab_size={draft_cfg.vocab_size} does not fit the target: must equal the target's "
             f"vocab_size={target_cfg.vocab_size}"
+            + (
+                " (a draft of a smaller vocabulary can load and propose, the lm_head cropped, but speculative "
+                "decoding verifies over the target's whole vocabulary)"
+                if draft_cfg.vocab_size < target_cfg.vocab_size
+                else ""
+            )
         )
     depth = target_cfg.num_hidden_layers
     if draft_cfg.num_target_layers is not None and draft_cfg.num_target_layers != depth:

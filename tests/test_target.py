@@ -287,7 +287,8 @@ def test_missing_files_and_unsupported_config_raise(tmp_path):
     "kw, message",
     [
         (dict(hidden_size=32, num_attention_heads=4), "hidden_size=32"),
-        (dict(vocab_size=V + 4, mask_token_id=V), "vocab_size=24"),
+        (dict(vocab_size=V + 4, mask_token_id=V), "draft vocab_size=24 .* vocab_size=20$"),
+        (dict(vocab_size=V - 4, mask_token_id=V - 5), "draft vocab_size=16 .* smaller vocabulary can load and propose"),
         (dict(target_layer_ids=(0, L)), "target_layer_ids"),
         (dict(num_target_layers=L + 3, target_layer_ids=(0, 1)), "num_target_layers=5"),
     ],
