@@ -53,6 +53,8 @@ def resolve_cache_dtype(cfg: DraftConfig, dtype: Any = None, *, name: str = "dty
 
     Raises:
       TypeError: ``dtype`` is not a floating dtype (the message names ``name``).
+      ValueError: ``dtype`` is float64 while jax's x64 mode is off (jax would make the
+        cache float32 instead).
     """
     if dtype is None:
         return jnp.dtype(cfg.jnp_dtype)
@@ -64,6 +66,11 @@ def resolve_cache_dtype(cfg: DraftConfig, dtype: Any = None, *, name: str = "dty
         raise TypeError(
             f"{name}={resolved} is invalid: must be a floating dtype (float32, bfloat16, …) for the draft's context "
             "keys and values"
+        )
+    if resolved.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{name}={resolved} is invalid while jax's x64 mode is off (the cache would be float32): must be "
+            "float32, bfloat16 or float16, or enable x64 (jax.config.update('jax_enable_x64', True))"
         )
     return resolved
 
@@ -131,8 +138,18 @@ def write_context(cache: ContextCache, k: jax.Array, v: jax.Array, start: jax.Ar
 
 
 def context_mask(prefix_lens: jax.Array, capacity: int) -> jax.Array:
-    """``[B]`` → ``[B, C]`` True at positions ``< prefix_len``."""
-    return jnp.arange(capacity, dtype=jnp.int32)[None, :] < prefix_lens.astype(jnp.int32)[:, None]
+    """``[B]`` → ``[B, C]`` True at positions ``< prefix_len``.
+
+    Args:
+      prefix_lens: ``[B]`` context lengths, of an integer dtype (an array, or a list of ints).
+      capacity: ``C``, the cache's positions.
+
+    Raises:
+      TypeError: ``prefix_lens`` is not of an integer dtype (a float or bool length would be
+        truncated silently).
+    """
+    check_dtypes({"prefix_lens": (prefix_lens, jnp.integer)})
+    return jnp.arange(capacity, dtype=jnp.int32)[None, :] < jnp.asarray(prefix_lens, jnp.int32)[:, None]
 
 
 def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Array, count: jax.Array) -> ContextCache:
@@ -228,7 +245,8 @@ def commit(
     Args:
       draft: the :class:`~dspark_jax.draft.DSparkDraft` (merged module).
       cache: the draft context cache.
-      features: ``[B, T, K·H]`` target features of the verified ``[bonus, d_1 … d_γ]``.
+      features: ``[B, T, K·H]`` target features of the verified ``[bonus, d_1 … d_γ]``
+        (``T = γ + 1``).
       prefix_lens: ``[B]`` int position of the bonus (context length before this round).
       correct_len: ``[B]`` int accepted drafts per row, ``0 <= correct_len <= γ``.
       active: ``[B]`` bool; rows where it is False (finished requests) are left
@@ -245,13 +263,21 @@ def commit(
       ``(cache, new_prefix_lens [B] int32)``.
 
     Raises:
-      ValueError: a shape does not match (checked while tracing).
+      ValueError: a shape does not match (checked while tracing), ``features`` among them
+        when its ``T`` is not ``γ + 1``.
       TypeError: ``draft`` is not a draft or ``cache`` not a :class:`ContextCache`, ``features``
         is not of a floating dtype, ``prefix_lens`` or ``correct_len`` not of an integer dtype
         (bool and float are refused: they would be truncated silently), or ``active`` not bool.
     """
     masks = {"active": active} if active is not None else {}
     _check_features(draft, cache, features, {"prefix_lens": prefix_lens, "correct_len": correct_len}, masks)
+    rows = draft.cfg.gamma + 1
+    if np.shape(features)[1] != rows:
+        # fewer rows would still move prefix_len by correct_len + 1 over positions never written
+        raise ValueError(
+            f"features has shape {tuple(np.shape(features))}: expected [B, T, K·H] with T = γ + 1 = {rows} (the bonus "
+            f"and the draft's γ={draft.cfg.gamma} tokens, verified)"
+        )
     count = jnp.asarray(correct_len, jnp.int32) + 1  # [B] commit_len
     if active is not None:
         count = jnp.where(active, count, 0)

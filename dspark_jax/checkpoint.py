@@ -17,7 +17,6 @@ after the cast to the parameter dtype, is refused as it is read.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -427,7 +426,9 @@ def save_draft(
     """Writes ``config.json`` and the tensors in the DeepSpec format (PyTorch layouts).
 
     Checkpoint files already in the folder (``model.safetensors``, its index and
-    ``model-*-of-*.safetensors`` shards) are replaced.
+    ``model-*-of-*.safetensors`` shards, ``config.json``) are replaced only once every new
+    file is written: a failed save leaves the old checkpoint loadable
+    (:func:`~dspark_jax.safetensors_io.write_tensors`).
 
     Args:
       draft: the draft to save.
@@ -462,7 +463,5 @@ def save_draft(
         array = np.asarray(jax.device_get(leaf))
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
 
-    files = write_tensors(folder, tensors, max_shard_bytes=max_shard_bytes)
-    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
-        json.dump(draft.cfg.to_hf_config(), f, indent=2)
-    return files
+    config = {CONFIG_NAME: draft.cfg.to_hf_config()}
+    return write_tensors(folder, tensors, max_shard_bytes=max_shard_bytes, json_files=config)

@@ -18,10 +18,11 @@ under that key, one file per program. The key (:meth:`ExecutableStore.key`) hash
 * what the caller passes: the program's name and the shapes and dtypes of its arguments.
 
 A file that cannot be read or loaded is reported once (``RuntimeWarning``) and treated as
-missing: the program is compiled again and the file replaced. Nothing is evicted: every
-change of the key (a new version of this package, say) writes a new set of files, and
-deleting the directory clears it. Loading runs code from the files, so the directory must
-be as trusted as jax's own cache.
+missing: the program is compiled again and the file replaced. A directory that cannot be
+created, like a file that cannot be saved, is reported once and the program only compiled.
+Nothing is evicted: every change of the key (a new version of this package, say) writes a
+new set of files, and deleting the directory clears it. Loading runs code from the files,
+so the directory must be as trusted as jax's own cache.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import importlib.metadata
 import os
 import pickle
 import platform
-import tempfile
+import secrets
 import warnings
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,17 @@ class ExecutableStore:
 
     Attributes:
       directory: where the files are.
+      available: False when ``directory`` could not be created: every :meth:`load` is then a
+        miss and :meth:`save` writes nothing.
       hits, misses, saves: counts of :meth:`load` results and :meth:`save` writes.
     """
 
     def __init__(self, directory: str | os.PathLike[str]):
         """Creates ``directory`` if needed.
+
+        A directory that cannot be created (a read-only parent, say) is reported once
+        (``RuntimeWarning``) and the store runs without it, as after a failed save: the
+        store only saves time.
 
         Raises:
           ValueError: ``directory`` exists and is not a directory.
@@ -119,9 +126,15 @@ class ExecutableStore:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"executable store directory={str(self.directory)!r} is not a directory")
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = self.saves = 0
         self._warned = False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self.available = False
+            self._warn(f"could not create the directory {self.directory} ({err!r}); running without a store")
+        else:
+            self.available = True
 
     def key(self, *parts: Any) -> str:
         """The hex key of a program: ``parts`` (its name and argument shapes, by ``repr``)
@@ -148,7 +161,7 @@ class ExecutableStore:
           ``(programs, extra)``, or None when there is no such file or it cannot be loaded.
         """
         path = self._path(key)
-        if not path.exists():
+        if not self.available or not path.exists():
             self.misses += 1
             return None
         try:
@@ -163,18 +176,24 @@ class ExecutableStore:
 
     def save(self, key: str, compiled: jax.stages.Compiled, *, extra: Any = None) -> None:
         """Writes ``compiled`` (and the picklable ``extra``) under ``key``; atomic (a
-        temporary file renamed), so a concurrent reader sees the old file or the new one."""
-        tmp_name = None
+        temporary file renamed), so a concurrent reader sees the old file or the new one.
+        The file's mode is ``0o666 & ~umask``, so users sharing the directory share its programs."""
+        if not self.available:
+            return
+        created = None
         try:
             payload, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((payload, in_tree, out_tree, extra))
-            with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as tmp:
-                tmp_name = tmp.name
+            # os.open's mode goes through the umask (NamedTemporaryFile's 0600 would not share)
+            tmp_path = self.directory / f"{key}.{secrets.token_hex(8)}.tmp"
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            created = tmp_path
+            with os.fdopen(fd, "wb") as tmp:
                 tmp.write(data)
-            os.replace(tmp_name, self._path(key))
+            os.replace(tmp_path, self._path(key))
         except Exception as err:  # noqa: BLE001 - the store only saves time: serving goes on without it
-            if tmp_name is not None:
-                Path(tmp_name).unlink(missing_ok=True)
+            if created is not None:
+                created.unlink(missing_ok=True)
             self._warn(f"could not save a program in {self.directory} ({err!r})")
             return
         self.saves += 1

@@ -15,6 +15,8 @@ import contextlib
 import glob
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,16 +115,26 @@ def cast_weight(name: str, value: np.ndarray, dtype: Any, path: str) -> jax.Arra
     return cast
 
 
-def _stale_files(folder: str) -> list[str]:
+def _checkpoint_files(folder: str) -> set[str]:
+    """The names of the tensor files in ``folder``: ``model.safetensors``, its index and shards."""
     patterns = (WEIGHTS_NAME, INDEX_NAME, "model-*-of-*.safetensors")
-    return sorted({p for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))})
+    return {os.path.basename(p) for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))}
 
 
-def write_tensors(folder: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int | None = None) -> list[str]:
+def write_tensors(
+    folder: str,
+    tensors: dict[str, np.ndarray],
+    *,
+    max_shard_bytes: int | None = None,
+    json_files: dict[str, Any] | None = None,
+) -> list[str]:
     """Writes ``tensors`` as one ``model.safetensors`` or as indexed shards.
 
     Checkpoint files already in the folder (``model.safetensors``, its index and
-    ``model-*-of-*.safetensors`` shards) are replaced.
+    ``model-*-of-*.safetensors`` shards) are replaced. Every new file is first written in a
+    temporary folder inside ``folder``; only when all are written are they moved into place
+    (``os.replace``) and the old layout's leftover files removed. A failed write (a full
+    disk, say) removes the temporary folder and leaves the old checkpoint as it was.
 
     Args:
       folder: the folder (created if needed).
@@ -130,6 +142,8 @@ def write_tensors(folder: str, tensors: dict[str, np.ndarray], *, max_shard_byte
       max_shard_bytes: split the tensors, in name order, into shards of at most this many
         bytes (a larger tensor gets a shard of its own) listed by
         ``model.safetensors.index.json``; ``None`` writes one ``model.safetensors``.
+      json_files: file name → JSON value (``{"config.json": …}``), written with the tensors
+        and replaced with them.
 
     Returns:
       The names of the safetensors files written.
@@ -137,6 +151,8 @@ def write_tensors(folder: str, tensors: dict[str, np.ndarray], *, max_shard_byte
     Raises:
       ValueError: ``max_shard_bytes`` is not a positive integer or ``None`` (nothing is
         written).
+      OSError: a file could not be written (the old checkpoint is left as it was) or moved
+        into place.
     """
     if max_shard_bytes is not None and (
         isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1
@@ -151,20 +167,33 @@ def write_tensors(folder: str, tensors: dict[str, np.ndarray], *, max_shard_byte
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-
-    os.makedirs(folder, exist_ok=True)
-    for stale in _stale_files(folder):
-        os.remove(stale)
     if max_shard_bytes is None:
         files = [WEIGHTS_NAME]
+        texts: dict[str, str] = {}
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         index = {
             "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
             "weight_map": {name: file for file, shard in zip(files, shards, strict=True) for name in shard},
         }
-        with open(os.path.join(folder, INDEX_NAME), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    for file, shard in zip(files, shards, strict=True):
-        save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        texts = {INDEX_NAME: json.dumps(index, indent=2, sort_keys=True)}
+    texts.update((file, json.dumps(value, indent=2)) for file, value in (json_files or {}).items())
+
+    os.makedirs(folder, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".saving-", dir=folder)
+    try:
+        for file, shard in zip(files, shards, strict=True):
+            save_file(shard, os.path.join(staging, file), metadata={"format": "pt"})
+        for file, text in texts.items():
+            with open(os.path.join(staging, file), "w") as f:
+                f.write(text)
+        # The tensor files go first, then their index and the JSON files (config.json); an old
+        # index goes before the old shards it lists.
+        stale = _checkpoint_files(folder) - set(files) - set(texts)
+        for file in [*files, *texts]:
+            os.replace(os.path.join(staging, file), os.path.join(folder, file))
+        for file in sorted(stale, key=lambda name: (name != INDEX_NAME, name)):
+            os.remove(os.path.join(folder, file))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return files

@@ -18,7 +18,6 @@ Any model can serve as a target if it follows :class:`Target`.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Protocol
 
@@ -380,6 +379,10 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
 def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
     """Writes ``target`` as a Hugging Face Qwen3 checkpoint that :func:`load_target` reads.
 
+    The checkpoint files already in the folder are replaced only once every new file is
+    written: a failed save leaves the old checkpoint loadable
+    (:func:`~dspark_jax.safetensors_io.write_tensors`).
+
     Args:
       target: the model.
       path: output folder (created if needed).
@@ -401,9 +404,9 @@ def save_target(target: Qwen3Target, path: str | os.PathLike, *, max_shard_bytes
     for name, (variable, transposed) in _hf_variables(target).items():
         value = np.asarray(variable.get_value())
         tensors[name] = np.ascontiguousarray(value.T if transposed else value)
-    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(target.config.to_hf_config(), f, indent=2)
+    write_tensors(
+        path, tensors, max_shard_bytes=max_shard_bytes, json_files={"config.json": target.config.to_hf_config()}
+    )
 
 
 def check_pair(draft_cfg: DraftConfig, target_cfg: TargetConfig) -> None:

@@ -3,7 +3,8 @@
 Text is split into words by a regular expression (letters, digits, punctuation runs and
 whitespace runs, a leading space staying with the word after it, as in GPT-2), each word
 is mapped to bytes and each byte to one printable character, and learned merges join
-adjacent symbols. Every string round-trips: ``decode(encode(s)) == s``.
+adjacent symbols. Every string of valid Unicode scalar values (no lone surrogates, which
+UTF-8 cannot encode) round-trips: ``decode(encode(s)) == s``.
 
 The file follows the ``tokenizers`` JSON layout (``model.type = "BPE"``, ``vocab``,
 ``merges``; a ``Split`` pre-tokenizer with the same pattern followed by ``ByteLevel``;
@@ -20,7 +21,7 @@ import json
 import operator
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -53,6 +54,36 @@ def _word_symbols(word: str) -> str:
     return "".join(_BYTE_TO_CHAR[b] for b in word.encode("utf-8"))
 
 
+def _check_id(field: str, value: object) -> None:
+    """Raises unless ``value`` is a token id: a non-negative integer (TypeError, ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field}={value!r} is invalid: token ids must be integers >= 0")
+    if value < 0:
+        raise ValueError(f"{field}={value!r} is invalid: token ids must be integers >= 0")
+
+
+def _check_special_tokens(special_tokens: object) -> tuple[str, ...]:
+    """``special_tokens`` as a tuple of distinct non-empty strings, or a TypeError / ValueError
+    naming ``special_tokens[i]``."""
+    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
+        raise TypeError(
+            f"special_tokens={special_tokens!r} is invalid: must be a list of str (a bare string would be "
+            "split into its characters): wrap it in a list"
+        )
+    tokens = tuple(special_tokens)
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise TypeError(f"special_tokens[{i}]={token!r} is invalid: must be a str")
+        if not token:
+            raise ValueError(f"special_tokens[{i}]='' is invalid: must be a non-empty str")
+        if token in tokens[:i]:
+            raise ValueError(
+                f"special_tokens[{i}]={token!r} is invalid: it repeats special_tokens[{tokens.index(token)}] "
+                "(each special token must be listed once)"
+            )
+    return tokens
+
+
 class Tokenizer:
     """Byte-level BPE: ``encode(str) -> list[int]``, ``decode(ids) -> str``."""
 
@@ -60,10 +91,23 @@ class Tokenizer:
         """Builds the tokenizer.
 
         Args:
-          vocab: token string (byte characters) → id, special tokens included.
-          merges: merge rules in priority order, each a pair of token strings.
-          special_tokens: strings encoded as one id each wherever they appear in text.
+          vocab: token string (byte characters) → id (an integer >= 0), special tokens included.
+          merges: merge rules in priority order, each a pair of tokens of ``vocab`` whose
+            concatenation is in ``vocab`` too.
+          special_tokens: distinct non-empty strings encoded as one id each wherever they
+            appear in text.
+
+        Raises:
+          TypeError: a token or special token is not a str, or an id not an integer.
+          ValueError: an id is negative, two tokens share an id, a special token is empty,
+            repeated or not in ``vocab``, ``vocab`` lacks a byte symbol, or a merge is not a
+            pair of tokens of ``vocab`` whose result is in ``vocab``.
         """
+        special_tokens = _check_special_tokens(special_tokens)
+        for token, i in vocab.items():
+            if not isinstance(token, str):
+                raise TypeError(f"vocab holds the token {token!r}: tokens must be str")
+            _check_id(f"vocab[{token!r}]", i)
         missing = [t for t in special_tokens if t not in vocab]
         if missing:
             raise ValueError(f"special_tokens={missing!r} are not in the vocabulary")
@@ -76,13 +120,20 @@ class Tokenizer:
         bad = [m for m in merges if len(m) != 2 or not all(isinstance(t, str) for t in m)]
         if bad:
             raise ValueError(f"merges hold {len(bad)} entries that are not pairs of token strings, first: {bad[0]!r}")
+        for j, (a, b) in enumerate(merges):
+            for what, token in (("part", a), ("part", b), ("result", a + b)):
+                if token not in vocab:
+                    raise ValueError(
+                        f"merges[{j}]={(a, b)!r} is invalid: its {what} {token!r} is not in the vocabulary "
+                        "(a merge must join two tokens of vocab into a token of vocab)"
+                    )
         self.vocab = dict(vocab)
         self.id_to_token = {i: t for t, i in self.vocab.items()}
         if len(self.id_to_token) != len(self.vocab):
             raise ValueError("vocab maps two tokens to one id")
         self.merges = [tuple(m) for m in merges]
         self.ranks = {m: i for i, m in enumerate(self.merges)}
-        self.special_tokens = tuple(special_tokens)
+        self.special_tokens = special_tokens
         self._special_re = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True)) + ")")
             if special_tokens
@@ -139,17 +190,30 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Text → token ids; special-token strings in the text become their single ids."""
+        """Text → token ids; special-token strings in the text become their single ids.
+
+        Raises:
+          TypeError: ``text`` is not a str.
+          ValueError: ``text`` holds a lone surrogate (not a Unicode scalar value: UTF-8, and
+            so byte-level BPE, cannot encode it), named with its position and code point.
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         pieces = self._special_re.split(text) if self._special_re else [text]
         out: list[int] = []
-        for j, piece in enumerate(pieces):
-            if j % 2 == 1:  # a captured special token
-                out.append(self.vocab[piece])
-                continue
-            for word in _WORD_RE.findall(piece):
-                out.extend(self._encode_word(word))
+        try:
+            for j, piece in enumerate(pieces):
+                if j % 2 == 1:  # a captured special token
+                    out.append(self.vocab[piece])
+                    continue
+                for word in _WORD_RE.findall(piece):
+                    out.extend(self._encode_word(word))
+        except UnicodeEncodeError:
+            at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            raise ValueError(
+                f"text[{at}] is the lone surrogate U+{ord(text[at]):04X}: text must hold Unicode scalar values "
+                "only (UTF-8 cannot encode a surrogate)"
+            ) from None
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -252,15 +316,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     vocab = dict(model["vocab"])
     specials = []
-    for j, tok in enumerate(data.get("added_tokens", [])):
-        if not isinstance(tok, dict) or "content" not in tok or "id" not in tok:
-            raise ValueError(f"{path}: added_tokens[{j}]={tok!r} is invalid: must have 'content' and 'id'")
-        vocab[tok["content"]] = tok["id"]
-        specials.append(tok["content"])
     try:
+        for j, tok in enumerate(data.get("added_tokens", [])):
+            if not isinstance(tok, dict) or "content" not in tok or "id" not in tok:
+                raise ValueError(f"added_tokens[{j}]={tok!r} is invalid: must have 'content' and 'id'")
+            if not isinstance(tok["content"], str):
+                raise TypeError(f"added_tokens[{j}].content={tok['content']!r} is invalid: must be a str")
+            _check_id(f"added_tokens[{j}].id", tok["id"])
+            vocab[tok["content"]] = tok["id"]
+            specials.append(tok["content"])
         return Tokenizer(vocab, merges, specials)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{path}: {err}") from None
 
 
 def train_bpe(
@@ -275,14 +342,22 @@ def train_bpe(
       texts: training documents.
       vocab_size: total ids wanted: 256 bytes + merges + special tokens. Fewer when the
         text runs out of pairs that occur at least twice.
-      special_tokens: appended after the merges, in order.
+      special_tokens: appended after the merges, in order: distinct non-empty strings,
+        none of them a token the BPE has (a byte symbol or a learned merge), whose id it
+        would take over.
 
     Returns:
       The trained :class:`Tokenizer`.
+
+    Raises:
+      TypeError: ``texts`` or ``special_tokens`` is a bare string, or holds a non-str.
+      ValueError: ``vocab_size`` is too small, ``texts`` holds no text, or a special token is
+        empty, repeated, or a byte symbol or learned token of the BPE.
     """
     if isinstance(texts, (str, bytes)):
         raise TypeError(f"texts must be an iterable of str documents, got a {type(texts).__name__}: wrap it in a list")
-    special_tokens = tuple(special_tokens)
+    special_tokens = _check_special_tokens(special_tokens)
+    _check_specials_are_new(special_tokens, _CHAR_TO_BYTE)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
         raise ValueError(
             f"vocab_size={vocab_size!r} is invalid: must be an integer >= 256 + {len(special_tokens)} special tokens"
@@ -349,7 +424,19 @@ def train_bpe(
                 heapq.heappush(heap, (-c, p))
             elif c <= 0:
                 counts.pop(p, None)
+    _check_specials_are_new(special_tokens, ids)
     vocab = dict(ids)
     for t in special_tokens:
         vocab[t] = len(vocab)
     return Tokenizer(vocab, merges, special_tokens)
+
+
+def _check_specials_are_new(special_tokens: tuple[str, ...], tokens: Container[str]) -> None:
+    """Raises ``ValueError`` naming the first special token that is one of the BPE's ``tokens``:
+    its id would be taken over, and text that encodes to it would decode as the special string."""
+    for i, token in enumerate(special_tokens):
+        if token in tokens:
+            raise ValueError(
+                f"special_tokens[{i}]={token!r} is invalid: it is already a token of the BPE (a byte symbol or a "
+                "learned merge): choose a string no word of the text spells, such as '<|name|>'"
+            )

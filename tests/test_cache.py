@@ -36,6 +36,22 @@ def test_context_mask_marks_positions_before_the_prefix_length():
     np.testing.assert_array_equal(mask, np.arange(5)[None] < np.array([[0], [3], [5]]))
 
 
+def test_context_mask_takes_a_list_and_refuses_lengths_that_are_not_integers():
+    np.testing.assert_array_equal(context_mask([0, 2], 3), [[False, False, False], [True, True, False]])
+    for lengths, dtype in ((np.array([1.7, 2.2]), "float64"), (jnp.array([1.7, 2.2]), "float32"), ([True], "bool")):
+        with pytest.raises(TypeError, match=rf"prefix_lens has dtype {dtype}: expected an integer dtype"):
+            context_mask(lengths, 4)
+
+
+def test_a_float64_cache_is_refused_without_x64_mode():
+    """jax would make it float32 with only a UserWarning."""
+    assert not jax.config.jax_enable_x64
+    with pytest.raises(ValueError, match=r"dtype=float64 is invalid while jax's x64 mode is off .*: must be float32"):
+        init_context_cache(tiny_config(), batch=2, capacity=6, dtype="float64")
+    with jax.enable_x64(True):
+        assert init_context_cache(tiny_config(), batch=2, capacity=6, dtype="float64").k.dtype == jnp.float64
+
+
 def test_fill_context_stores_the_reference_context_keys_and_values():
     cfg = tiny_config()
     draft = random_draft(cfg, seed=1)

@@ -100,6 +100,17 @@ def test_commit_refuses_mismatched_shapes_while_tracing(features, rows, message)
         jax.jit(commit)(draft, _random_cache(1), jnp.zeros(features), *map(jnp.asarray, args.values()), active=active)
 
 
+@pytest.mark.parametrize("rows", [T - 2, T + 1])
+def test_commit_refuses_features_that_are_not_gamma_plus_one_rows_while_tracing(rows):
+    """With fewer rows, prefix_len still moved by correct_len + 1, over positions never written
+    that the context mask then treated as context."""
+    draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
+    zeros = jnp.zeros(B, jnp.int32)
+    message = rf"features has shape \(4, {rows}, 32\): expected \[B, T, K·H\] with T = γ \+ 1 = {T}"
+    with pytest.raises(ValueError, match=message):
+        jax.jit(commit)(draft, _random_cache(1), jnp.zeros((B, rows, F)), zeros, jnp.full(B, CFG.gamma, jnp.int32))
+
+
 def test_prefill_refuses_lengths_of_another_batch():
     draft = DSparkDraft(CFG, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"lengths has shape \(2,\): expected \[B\] = \(4,\)"):

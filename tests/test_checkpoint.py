@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from dspark_jax import checkpoint
+from dspark_jax import checkpoint, safetensors_io
 from dspark_jax.cache import context_mask
 from dspark_jax.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_draft, save_draft
 from dspark_jax.config import TargetConfig
@@ -99,6 +99,38 @@ def test_sharded_save_writes_an_index_and_loads_back_identical(tmp_path):
     save_draft(draft, tmp_path, include_borrowed=True)
     assert sorted(p for p in os.listdir(tmp_path) if p != "config.json") == [WEIGHTS_NAME]
     assert_identical(draft, load_draft(tmp_path))
+
+
+def _fail_on_second_write(monkeypatch):
+    """Makes the second safetensors file written raise ``OSError(ENOSPC)`` (a full disk)."""
+    real = safetensors_io.save_file
+    calls = []
+
+    def save_file(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io, "save_file", save_file)
+
+
+@pytest.mark.parametrize("old_shards", [None, 8_000], ids=["over-single", "over-sharded"])
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_files(old_shards, tmp_path, monkeypatch):
+    old = random_draft(tiny_config(markov_head_type="rnn"), seed=5)
+    save_draft(old, tmp_path, include_borrowed=True, max_shard_bytes=old_shards)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    _fail_on_second_write(monkeypatch)
+    new = random_draft(tiny_config(markov_head_type="gated", block_size=3), seed=6)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_draft(new, tmp_path, include_borrowed=True, max_shard_bytes=6_000)
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before
+    assert_identical(old, load_draft(tmp_path))
+    monkeypatch.undo()
+    save_draft(new, tmp_path, include_borrowed=True, max_shard_bytes=6_000)  # over it: the old layout goes
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert sorted(os.listdir(tmp_path)) == sorted({"config.json", INDEX_NAME, *index["weight_map"].values()})
+    assert_identical(new, load_draft(tmp_path))
 
 
 def test_save_rejects_a_bad_shard_size(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -175,3 +176,51 @@ def test_store_directory_must_be_a_directory(tmp_path):
     draft = random_draft(tiny_config(**CFG), seed=0)
     with pytest.raises(ValueError, match=r"executable_store=.*file' is invalid: it is not a directory"):
         Proposer(draft, max_batch=2, capacity=CAPACITY, executable_store=path)
+
+
+@pytest.fixture
+def uncreatable(tmp_path):
+    """A store directory that cannot be created: under a read-only parent, or (as root, whom
+    permissions do not stop) under a regular file."""
+    if os.geteuid() == 0:
+        parent = tmp_path / "afile"
+        parent.write_text("x")
+        yield parent / "store"
+        return
+    parent = tmp_path / "readonly"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        yield parent / "store"
+    finally:
+        parent.chmod(0o755)
+
+
+def test_a_directory_that_cannot_be_created_warns_once_and_runs_without_a_store(uncreatable):
+    compiled = jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32)).compile()
+    with pytest.warns(RuntimeWarning, match=rf"could not create the directory {uncreatable} \(.*Error"):
+        store = ExecutableStore(uncreatable)
+    assert not store.available
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the saves and loads below are silent
+        store.save(store.key("x"), compiled)
+        assert store.load(store.key("x")) is None
+    assert (store.hits, store.misses, store.saves) == (0, 1, 0)
+    assert not uncreatable.exists()
+    proposer = Proposer(
+        random_draft(tiny_config(**CFG), seed=0), max_batch=2, capacity=CAPACITY, executable_store=uncreatable
+    )
+    with pytest.warns(RuntimeWarning, match=r"could not create the directory"):
+        assert proposer.store is not None and not proposer.store.available
+
+
+def test_saved_programs_are_readable_by_other_users_as_the_umask_allows(tmp_path):
+    store = ExecutableStore(tmp_path)
+    compiled = jax.jit(lambda x: x - 1).lower(np.zeros(3, np.float32)).compile()
+    previous = os.umask(0o022)
+    try:
+        store.save(store.key("z"), compiled)
+    finally:
+        os.umask(previous)
+    (path,) = tmp_path.iterdir()
+    assert path.suffix == ".dsx" and path.stat().st_mode & 0o777 == 0o644

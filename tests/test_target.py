@@ -228,6 +228,29 @@ def test_saving_over_an_older_checkpoint_replaces_its_files(tmp_path):
         save_target(new, tmp_path, max_shard_bytes=0)
 
 
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_files(tmp_path, monkeypatch):
+    from dspark_jax import safetensors_io
+
+    old = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
+    save_target(old, tmp_path)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    real, calls = safetensors_io.save_file, []
+
+    def save_file(*args, **kwargs):  # a full disk at the second shard
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io, "save_file", save_file)
+    new = Qwen3Target(_cfg(num_hidden_layers=3), rngs=nnx.Rngs(4))
+    with pytest.raises(OSError, match="No space left on device"):
+        save_target(new, tmp_path, max_shard_bytes=4000)
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before
+    tokens = [1, 5, 9, 2]
+    np.testing.assert_array_equal(_logits(load_target(tmp_path), tokens), _logits(old, tokens))
+
+
 def test_saved_linear_weights_use_the_out_in_layout(tmp_path):
     target = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
     save_target(target, tmp_path)

@@ -161,3 +161,100 @@ def test_malformed_tokenizer_files_are_refused_with_their_path(tok, tmp_path):
         with pytest.raises(ValueError, match=says[name]) as err:
             load_tokenizer(path)
         assert str(path) in str(err.value), err.value
+
+
+def _edited(tok, tmp_path, edit):
+    """``tok``'s tokenizer.json after ``edit(data)``, saved under ``tmp_path``."""
+    data = tok.to_json()
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (
+            lambda d: d["model"]["vocab"].update(h=-5),
+            ValueError,
+            r"vocab\['h'\]=-5 is invalid: token ids must be integers >= 0",
+        ),
+        (
+            lambda d: d["model"]["vocab"].update(h=1.5),
+            TypeError,
+            r"vocab\['h'\]=1.5 is invalid: token ids must be integers",
+        ),
+        (lambda d: d["model"]["vocab"].update(h="104"), TypeError, r"vocab\['h'\]='104' is invalid: token ids must be"),
+        (
+            lambda d: d["added_tokens"][0].update(id=-1),
+            ValueError,
+            r"added_tokens\[0\].id=-1 is invalid: token ids must",
+        ),
+        (
+            lambda d: d["added_tokens"].append({"id": 600, "content": 7}),
+            TypeError,
+            r"added_tokens\[2\].content=7 is invalid: must be a str",
+        ),
+        (
+            lambda d: d["model"]["merges"].insert(0, "zz qq"),
+            ValueError,
+            r"merges\[0\]=\('zz', 'qq'\) is invalid: its part 'zz' is not in the vocabulary",
+        ),
+    ],
+    ids=[
+        "negative-id",
+        "float-id",
+        "string-id",
+        "negative-added-id",
+        "added-content-not-str",
+        "merge-of-unknown-tokens",
+    ],
+)
+def test_tokenizer_files_with_bad_ids_merges_or_added_tokens_are_refused(tok, tmp_path, edit, error, message):
+    path = _edited(tok, tmp_path, edit)
+    with pytest.raises(error, match=message) as err:
+        load_tokenizer(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_merge_whose_result_is_not_in_the_vocabulary_is_refused_when_loading(tok, tmp_path):
+    first, second = tok.merges[0]
+    path = _edited(tok, tmp_path, lambda d: d["model"]["vocab"].pop(first + second))
+    with pytest.raises(
+        ValueError, match=rf"merges\[0\]=.* is invalid: its result '{first + second}' is not in the vocab"
+    ):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize(
+    ("specials", "error", "message"),
+    [
+        ([EOS_TOKEN, ""], ValueError, r"special_tokens\[1\]='' is invalid: must be a non-empty str"),
+        (
+            [EOS_TOKEN, MASK_TOKEN, EOS_TOKEN],
+            ValueError,
+            r"special_tokens\[2\]='<\|endoftext\|>' is invalid: it repeats special_tokens\[0\]",
+        ),
+        ([EOS_TOKEN, 5], TypeError, r"special_tokens\[1\]=5 is invalid: must be a str"),
+        (EOS_TOKEN, TypeError, r"special_tokens='<\|endoftext\|>' is invalid: must be a list of str"),
+        ([EOS_TOKEN, "h"], ValueError, r"special_tokens\[1\]='h' is invalid: it is already a token of the BPE"),
+        (
+            [MASK_TOKEN, "Ġrange"],
+            ValueError,
+            r"special_tokens\[1\]='Ġrange' is invalid: it is already a token of the BPE",
+        ),
+    ],
+    ids=["empty", "repeated", "not-str", "bare-str", "byte-symbol", "learned-merge"],
+)
+def test_training_refuses_special_tokens_that_would_break_the_round_trip(specials, error, message):
+    """An empty special token split every word; one the BPE has (a byte, or a merge such as
+    ' range' = 'Ġrange') took its id over, so encoding the text decoded as the special string."""
+    with pytest.raises(error, match=message):
+        train_bpe(TEXTS, 300, special_tokens=specials)
+
+
+def test_encoding_a_lone_surrogate_names_its_position_and_code_point(tok):
+    with pytest.raises(ValueError, match=r"text\[3\] is the lone surrogate U\+D800: text must hold Unicode scalar"):
+        tok.encode("ab \ud800 c")
+    assert tok.decode(tok.encode("ab \U0001f642 c")) == "ab \U0001f642 c"  # a surrogate pair's character is fine
