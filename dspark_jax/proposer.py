@@ -339,7 +339,8 @@ class Proposer:
         Raises:
           ValueError: bad ``max_batch``, ``capacity`` or ``num_slots``, an unknown
             ``folded_sampling``, a ``free_bytes`` neither None nor an integer >= 0, or a
-            ``headroom`` not an integer >= 0 (:func:`~dspark_jax.memory_gate.plan_folded_sampling`).
+            ``headroom`` not an integer >= 0 (:func:`~dspark_jax.memory_gate.plan_folded_sampling`),
+            or a float64 ``cache_dtype`` while jax's x64 mode is off.
           TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`,
             ``executable_store`` not a path, None or False, ``cache_dtype`` not a floating
             dtype, or ``unpad`` / ``twin_programs`` not a bool (a string such as "no" would be
