@@ -182,8 +182,14 @@ def write_tensors(
     os.makedirs(folder, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".saving-", dir=folder)
     try:
+        # safetensors creates its files 0600; give them the mode open() gives the JSON files
+        # (0666 less the umask), read off a probe so that the process's umask is never set.
+        probe = os.open(os.path.join(staging, ".mode"), os.O_WRONLY | os.O_CREAT, 0o666)
+        mode = os.fstat(probe).st_mode & 0o777
+        os.close(probe)
         for file, shard in zip(files, shards, strict=True):
             save_file(shard, os.path.join(staging, file), metadata={"format": "pt"})
+            os.chmod(os.path.join(staging, file), mode)
         for file, text in texts.items():
             with open(os.path.join(staging, file), "w") as f:
                 f.write(text)

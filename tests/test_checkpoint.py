@@ -101,6 +101,16 @@ def test_sharded_save_writes_an_index_and_loads_back_identical(tmp_path):
     assert_identical(draft, load_draft(tmp_path))
 
 
+def test_saved_files_are_readable_as_the_umask_allows_like_config_json(tmp_path):
+    """safetensors creates its files 0600; every saved file gets config.json's mode."""
+    draft = random_draft(tiny_config(), seed=5)
+    files = save_draft(draft, tmp_path, max_shard_bytes=8_000)
+    want = os.stat(tmp_path / "config.json").st_mode & 0o777
+    assert want & 0o044  # readable by others under the usual umask
+    for name in [*files, INDEX_NAME]:
+        assert os.stat(tmp_path / name).st_mode & 0o777 == want, name
+
+
 def _fail_on_second_write(monkeypatch):
     """Makes the second safetensors file written raise ``OSError(ENOSPC)`` (a full disk)."""
     real = safetensors_io.save_file
