@@ -502,7 +502,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the benchmark described by parsed ``args``; prints the table, writes JSON."""
+    """Runs the benchmark described by parsed ``args``; prints the table, writes JSON. Returns 1
+    when the e2e stage failed (the table names the error), else 0."""
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     for flag, _, variable, _ in ENV_FLAGS:
@@ -527,6 +528,12 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("--tau", args.tau), ("--e2e-layers", args.e2e_layers)):
         if value is not None and not args.e2e:
             raise ValueError(f"{name} is only used with --e2e: add --e2e, or drop {name}")
+    fused = draft_config(shapes).num_fused_layers
+    if args.e2e and args.e2e_layers is not None and args.e2e_layers < fused - 1:
+        raise ValueError(
+            f"--e2e-layers={args.e2e_layers} is invalid: must be >= {fused - 1} (the {shapes.name} draft fuses "
+            f"{fused} target layers, the embedding output counting as one)"
+        )
     args.tau = E2E_TAU if args.tau is None else args.tau
     if args.e2e and not 1 < args.tau < gamma + 1:
         raise ValueError(f"--tau={args.tau} is invalid: must lie strictly between 1 and gamma + 1 = {gamma + 1}")
@@ -581,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(cache_dir, ignore_errors=True)
     print(format_table(result))
     _save(args.out, result)
-    return 0
+    return 1 if "error" in result.get("e2e", {}) else 0  # the table says "e2e failed: …"
 
 
 def _bench_argv(args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,7 @@ import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.calibration import CALIBRATION_LABELS
-from dspark_jax.cli import check_checkpoint, loading
+from dspark_jax.cli import as_flags, check_checkpoint, loading
 from dspark_jax.train import COUNT, SEED, cast_params, check_output_folder
 
 
@@ -65,16 +65,17 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_corpus()
     print(f"encoding {len(corpus.texts('heldout'))} held-out files …", file=sys.stderr)
     heldout = encode_documents(tokenizer, corpus.texts("heldout"))
-    fit = fit_sts_temperature(
-        draft,
-        target,
-        heldout,
-        labels=args.labels,
-        batches=args.batches,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        seed=args.seed,
-    )
+    with as_flags({"seq_len": "--seq-len", "batches": "--batches", "batch_size": "--batch-size"}):
+        fit = fit_sts_temperature(
+            draft,
+            target,
+            heldout,
+            labels=args.labels,
+            batches=args.batches,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            seed=args.seed,
+        )
     print(f"STS fit on {fit.blocks} held-out blocks, {fit.labels} labels:")
     print("| position | temperature | BCE before | BCE after | predicted | observed |")
     print("|---|---|---|---|---|---|")

@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 
@@ -74,10 +75,18 @@ def check_output_file(flag: str, path: str | None) -> None:
     that the run does not fail at its end.
 
     Raises:
-      ValueError: ``path`` is a folder or its folder does not exist (naming ``flag``).
+      ValueError: ``path`` is empty or a folder, its folder does not exist or is not
+        writable, or it is an existing file that is not writable (naming ``flag``).
     """
-    if path is not None and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+    if path is None:
+        return
+    if not path:
+        raise ValueError(f"{flag}={path!r} is invalid: must be a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
         raise ValueError(f"{flag}={path!r} is invalid: must be a file path in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag}={path!r} cannot be written: {folder!r} or the file is not writable")
 
 
 def check_checkpoint(flag: str, path: str, *, tokenizer: bool = False) -> None:
@@ -99,6 +108,37 @@ def check_checkpoint(flag: str, path: str, *, tokenizer: bool = False) -> None:
         raise ValueError(f"{flag} {path!r} {problem}: expected a checkpoint folder with {' and '.join(files)}")
 
 
+def check_prompts(
+    prompts: list[list[int]], names: list[str], *, max_new: tuple[str, int], gamma: int, limits: dict[str, int | None]
+) -> None:
+    """Refuses a prompt that encodes to no tokens, or that with ``max_new`` new tokens (and the
+    ``gamma - 1`` positions the last round verifies) runs past a model's positions, naming the
+    flags, before anything compiles.
+
+    Args:
+      prompts: token ids per prompt.
+      names: how the messages name each prompt (``--prompt 'text'``).
+      max_new: the new-token flag as typed and its value.
+      gamma: the draft's block size.
+      limits: ``max_position_embeddings`` by model name (``None`` where a config has none).
+
+    Raises:
+      ValueError: naming the prompt, the flags and the limit.
+    """
+    flag, value = max_new
+    for ids, name in zip(prompts, names, strict=True):
+        if not ids:
+            raise ValueError(f"{name} encodes to no tokens: every prompt needs >= 1 token")
+        need = len(ids) + value + gamma - 1
+        for model, limit in limits.items():
+            if limit is not None and need > limit:
+                raise ValueError(
+                    f"{name} has {len(ids)} tokens: with {flag} {value} (+ gamma - 1 = {gamma - 1} positions the last "
+                    f"round verifies) it needs {need} positions, past the {model}'s max_position_embeddings={limit}: "
+                    f"shorten the prompt or lower {flag}"
+                )
+
+
 @contextlib.contextmanager
 def loading(flag: str, path: str) -> Iterator[None]:
     """Prefixes a ``ValueError`` raised while loading ``path`` with the flag that named it."""
@@ -106,6 +146,19 @@ def loading(flag: str, path: str) -> Iterator[None]:
         yield
     except ValueError as err:
         raise ValueError(f"{flag} {path!r}: {err}") from err
+
+
+@contextlib.contextmanager
+def as_flags(flags: dict[str, str]) -> Iterator[None]:
+    """Rewrites ``field=value`` in a ``ValueError`` raised inside as ``--flag value``, for the
+    fields that ``flags`` maps to the options that set them (an error naming none is re-raised)."""
+    try:
+        yield
+    except ValueError as err:
+        text = re.sub(rf"\b({'|'.join(map(re.escape, flags))})=", lambda m: f"{flags[m.group(1)]} ", str(err))
+        if text == str(err):
+            raise
+        raise ValueError(text) from err
 
 
 # name -> (module, one-line help)

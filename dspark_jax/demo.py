@@ -15,7 +15,7 @@ import time
 import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
-from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, check_prompts, loading, number_flag
 from dspark_jax.generation import MAX_NEW_TOKENS
 
 PROMPTS = (
@@ -58,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
         draft = load_draft(args.draft, target=target)
     texts = args.prompt or list(PROMPTS)
     prompts = [tokenizer.encode(t) for t in texts]
+    check_prompts(
+        prompts,
+        [f"--prompt {t!r}" if args.prompt else f"built-in prompt {i + 1}" for i, t in enumerate(texts)],
+        max_new=("--max-new", args.max_new),
+        gamma=draft.cfg.gamma,
+        limits={"target": target.config.max_position_embeddings, "draft": draft.cfg.max_position_embeddings},
+    )
     key = jax.random.key(args.seed)
     print(
         f"dspark-jax demo on {jax.devices()[0].platform}: target {target.config.num_hidden_layers} layers × "

@@ -148,6 +148,20 @@ def format_tables(results: dict[str, dict[float, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def draft_labels(markov_ranks: Sequence[int]) -> list[str]:
+    """Names for the drafts of ``--draft`` then ``--baseline-draft``, from their configs: DSpark
+    with a Markov head (``markov_rank > 0``), DFlash-style without; when two are the same kind,
+    each also names its flag.
+
+    Args:
+      markov_ranks: each draft's ``markov_rank``, in flag order.
+    """
+    kinds = ["DSpark" if rank > 0 else "DFlash-style" for rank in markov_ranks]
+    if len(set(kinds)) == len(kinds):
+        return kinds
+    return [f"{kind} ({flag})" for kind, flag in zip(kinds, ("--draft", "--baseline-draft"), strict=False)]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
     parser.add_argument(
@@ -176,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
     if len(set(args.temperatures)) != len(args.temperatures):
         raise ValueError(f"--temperatures {args.temperatures} is invalid: each temperature once")
     check_output_file("--json", args.json)
-    baseline = args.baseline_draft if args.baseline_draft and args.baseline_draft.lower() != "none" else None
+    if not args.baseline_draft:
+        raise ValueError("--baseline-draft '' is invalid: give a draft checkpoint folder, or 'none' to skip it")
+    baseline = args.baseline_draft if args.baseline_draft.lower() != "none" else None
     check_checkpoint("--target", args.target, tokenizer=True)
     for flag, path in (("--draft", args.draft), ("--baseline-draft", baseline)):
         if path is not None:
@@ -186,10 +202,11 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target, dtype="float32")
         tokenizer = load_tokenizer(args.target)
     with loading("--draft", args.draft):
-        drafts = {"DSpark": load_draft(args.draft, target=target)}
+        loaded = [load_draft(args.draft, target=target)]
     if baseline is not None:
         with loading("--baseline-draft", baseline):
-            drafts["DFlash-style"] = load_draft(baseline, target=target)
+            loaded.append(load_draft(baseline, target=target))
+    drafts = dict(zip(draft_labels([d.cfg.markov_rank for d in loaded]), loaded, strict=True))
     limit = min(target.config.max_position_embeddings, *(d.cfg.max_position_embeddings for d in drafts.values()))
     need = args.prompt_len + args.max_new + max(d.cfg.gamma for d in drafts.values()) - 1
     if need > limit:  # before the held-out text is read and encoded

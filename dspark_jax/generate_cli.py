@@ -17,7 +17,7 @@ import os
 import jax
 
 from dspark_jax.checkpoint import load_draft
-from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, check_prompts, loading, number_flag
 from dspark_jax.generation import (
     MAX_NEW_TOKENS,
     MAX_TEMPERATURE,
@@ -83,6 +83,14 @@ def run(args: argparse.Namespace) -> int:
         draft = load_draft(args.draft, target=target, dtype=args.dtype)
     check_pair(draft.cfg, target.config)
     prompts = [tokenizer.encode(text) for text in args.prompt]
+    limits = {"target": target.config.max_position_embeddings, "draft": draft.cfg.max_position_embeddings}
+    check_prompts(
+        prompts,
+        [f"--prompt {text!r}" for text in args.prompt],
+        max_new=("--max-new-tokens", args.max_new_tokens),
+        gamma=draft.cfg.gamma,
+        limits=limits,
+    )
     eos = None if args.no_stop else _eos_id(tokenizer)
     stops = None if eos is None else [eos]
     options = dict(
@@ -96,9 +104,22 @@ def run(args: argparse.Namespace) -> int:
     options["device_loop"] = args.device_loop
     schedule = {}  # speculative decoding's alone
     if args.verify_schedule:
+        flag = f"--verify-schedule {args.verify_schedule}"
+        if not draft.cfg.enable_confidence_head:
+            raise ValueError(
+                f"{flag} needs a --draft with a confidence head (enable_confidence_head=True): the schedule ranks "
+                "drafts by their confidence; drop --verify-schedule, or give such a --draft"
+            )
         # Measured at the longest prompt's context, shortened to leave the timed rounds room.
-        limits = [n for n in (target.config.max_position_embeddings, draft.cfg.max_position_embeddings) if n]
-        room = min(limits) - (MEASURED_ROUNDS + 1) * (draft.cfg.gamma + 1) - draft.cfg.gamma
+        gamma = draft.cfg.gamma
+        limit = min(n for n in limits.values() if n)
+        room = limit - (MEASURED_ROUNDS + 1) * (gamma + 1) - gamma
+        if room < 1:
+            raise ValueError(
+                f"{flag} measures {MEASURED_ROUNDS} timed rounds, which need {limit - room + 1} positions "
+                f"((rounds + 1)·(γ + 1) + γ + 1, γ = {gamma}), past the models' max_position_embeddings={limit}: "
+                "drop --verify-schedule, or give a --target and --draft with more positions"
+            )
         table = measure_verify_schedule(
             target,
             draft,

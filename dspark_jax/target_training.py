@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.cli import number_flag
+from dspark_jax.cli import as_flags, number_flag
 from dspark_jax.config import TargetConfig, normalise_numbers
 from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS
@@ -255,6 +255,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+TARGET_FLAGS = {
+    "hidden_size": "--hidden-size",
+    "intermediate_size": "--intermediate-size",
+    "num_hidden_layers": "--layers",
+    "num_attention_heads": "--heads",
+    "num_key_value_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "vocab_size": "--vocab-size",
+    "max_position_embeddings": "--context",
+    "seq_len": "--seq-len",
+    "batch_size": "--batch",
+}
+"""The ``train-target`` flag behind each config field its messages name."""
+
+
 def run(args: argparse.Namespace) -> int:
     """``dspark-jax train-target``: tokenizer, training, checkpoint and ``training.json``.
 
@@ -289,32 +304,34 @@ def run(args: argparse.Namespace) -> int:
                 f"{tokenizer.vocab_size} ids: --resume keeps the saved tokenizer; drop --vocab-size or start anew"
             )
         vocab_size = tokenizer.vocab_size
-    cfg = TargetConfig(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        vocab_size=vocab_size,
-        max_position_embeddings=args.context,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-    )
-    tcfg = TargetTrainConfig(
-        steps=args.steps,
-        batch_size=args.batch,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
-    )
-    check_window_fits(cfg, tcfg.seq_len)
+    with as_flags(TARGET_FLAGS):
+        cfg = TargetConfig(
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            vocab_size=vocab_size,
+            max_position_embeddings=args.context,
+            rope_theta=10_000.0,
+            tie_word_embeddings=True,
+        )
+        tcfg = TargetTrainConfig(
+            steps=args.steps,
+            batch_size=args.batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+        )
+        check_window_fits(cfg, tcfg.seq_len)
     # The BPE may come out smaller than asked: until it exists, count the smallest vocabulary.
     known = cfg if tokenizer is not None else dataclasses.replace(cfg, vocab_size=MIN_VOCAB_SIZE)
     flags = "--hidden-size, --intermediate-size, --layers, --heads, --kv-heads, --head-dim, --batch, --seq-len"
     sizes = ", ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in flags.split(", "))
-    check_target_memory(known, tcfg, sizes=f"{sizes} (vocabulary {known.vocab_size})")
+    smallest = "" if tokenizer is not None else ", the smallest the tokenizer can come out with"
+    check_target_memory(known, tcfg, sizes=f"{sizes} (vocabulary {known.vocab_size}{smallest})")
     checkpoint_dir = os.path.join(args.out, "checkpoint")
     if tokenizer is not None:  # resuming with the saved tokenizer: every setting is known now
         check_resume_settings(checkpoint_dir, target_run_meta(cfg, tcfg))

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.cli import SEED_MAX, check_checkpoint, number_flag
+from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
 from dspark_jax.config import (
     DraftConfig,
     TargetConfig,
@@ -418,11 +418,13 @@ def check_output_folder(out: str, *, resume: bool, flag: str = "--out", resumabl
       resumable: the command has ``--resume`` (the messages suggest it).
 
     Raises:
-      ValueError: ``out`` is an existing file; it cannot be created (a file lies on its
+      ValueError: ``out`` is empty or an existing file; it cannot be created (a file lies on its
         path, or the nearest existing folder is not writable) or is not writable; it
         already holds a model (``config.json`` or ``model.safetensors``) and ``resume``
         is false; or ``resume`` is true and ``out/checkpoint`` holds no training checkpoint.
     """
+    if not out:
+        raise ValueError(f"{flag} {out!r} is invalid: must be a folder path")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{flag} {out!r} is an existing file: must be a folder (new, or one to --resume)")
     existing = os.path.abspath(out)
@@ -1341,7 +1343,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
     )
-    draft_cfg = DraftConfig.from_pretrained(args.draft_config) if args.draft_config else None
+    draft_cfg = None
+    if args.draft_config:
+        with loading("--draft-config", args.draft_config):
+            draft_cfg = DraftConfig.from_pretrained(args.draft_config)
     if draft_cfg is not None:
         check_anchor_flags(args, draft_cfg.num_query_rows)
     tokenizer = load_tokenizer(args.target)

@@ -328,6 +328,10 @@ def test_e2e_settings_and_the_output_file_are_refused_before_any_stage(monkeypat
     for out in (tmp_path / "missing" / "b.json", tmp_path):
         with pytest.raises(ValueError, match=r"^--out=.* is invalid: must be a file path in an existing folder$"):
             bench.main([*base, "--out", str(out)])
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path) and access(path, mode))
+    with pytest.raises(ValueError, match=r"^--out=.* cannot be written: .* is not writable$"):
+        bench.main([*base, "--out", str(tmp_path / "b.json")])
 
 
 def test_zero_or_negative_counts_are_refused_not_replaced_by_the_preset():
@@ -655,3 +659,28 @@ def test_e2e_layers_give_the_draft_fused_ids_inside_a_shallower_target():
     assert bench_e2e.fused_layer_ids(big, 36) == (1, 9, 17, 25, 33)
     out = bench_e2e.bench_e2e(bench_workload.SHAPES["tiny"], target_layers=2, tau=2.0, rounds=2)
     assert out["target_layers"] == 2 and out["plain_step_ms"] > 0 and out["round_ms"] > 0
+
+
+def test_e2e_layers_too_few_for_the_fused_layers_are_refused_before_any_stage(monkeypatch):
+    """``--e2e --e2e-layers 1`` ran every stage, then printed ``e2e failed: ValueError(...)`` and
+    exited 0."""
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the run reached the timed stage")
+
+    monkeypatch.setattr(bench, "_measure", measured)
+    base = ["--shapes", "tiny", "--batches", "1", "--no-torch", "--no-compile", "--e2e"]
+    with pytest.raises(ValueError, match=r"^--e2e-layers=1 is invalid: must be >= 2 \(the tiny draft fuses 3 "):
+        bench.main([*base, "--e2e-layers", "1"])
+
+
+def test_a_failed_e2e_stage_makes_the_run_exit_non_zero(monkeypatch, capsys):
+    """The table said ``e2e failed: …`` and the command exited 0."""
+
+    def measured(args, shapes, batches, iters, eager_iters, result):
+        result["e2e"] = {"error": "RuntimeError('out of memory')"}  # as _measure records a failed e2e stage
+
+    monkeypatch.setattr(bench, "_measure", measured)
+    monkeypatch.setattr(bench, "format_table", lambda result: f"e2e failed: {result['e2e']['error']}")
+    assert bench.main(["--shapes", "tiny", "--batches", "1", "--no-torch", "--no-compile", "--e2e"]) == 1
+    assert "e2e failed: RuntimeError('out of memory')" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 import pathlib
 import re
 import sys
@@ -10,6 +11,7 @@ import types
 import pytest
 
 from dspark_jax import cli
+from dspark_jax.bundled import TARGET_DIR
 from dspark_jax.cli import SEED_MAX, check_environment, loading, main, number_flag
 
 PACKAGE = pathlib.Path(cli.__file__).parent
@@ -136,3 +138,45 @@ def test_python_dash_m_bench_reports_a_bad_flag_as_one_line():
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "dspark-jax bench: error: --iters=0 is invalid: must be >= 1"
+
+
+def test_an_empty_output_path_is_refused_by_every_command_that_writes_one(capsys):
+    """``--out ''`` trained (or fit) and then failed with FileNotFoundError; ``eval --json ''`` and
+    ``bench --out ''`` ran and silently wrote nothing."""
+    for command, flag in (
+        ("eval", "--json"),
+        ("bench", "--out"),
+        ("calibrate", "--out"),
+        ("train-target", "--out"),
+        ("train-draft", "--out"),
+    ):
+        extra = ["--target", TARGET_DIR] if command == "train-draft" else []
+        assert main([command, flag, "", *extra]) == 2, command
+        err = capsys.readouterr().err
+        assert re.fullmatch(
+            f"dspark-jax {command}: error: {flag}[ =]'' is invalid: must be a (file|folder) path\n", err
+        )
+
+
+def test_an_output_file_in_a_folder_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    """An unwritable folder passed the check (it only asked that the folder exist), so the
+    results were lost to a traceback at the end of the run."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (tmp_path / "taken.json").write_text("{}")
+    access = os.access
+    locked_paths = {str(locked), str(tmp_path / "taken.json")}
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) not in locked_paths and access(path, mode))
+    for path in (locked / "out.json", tmp_path / "taken.json"):
+        with pytest.raises(ValueError, match=r"^--json=.* cannot be written: .* is not writable$"):
+            cli.check_output_file("--json", str(path))
+    cli.check_output_file("--json", str(tmp_path / "new.json"))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"^--json=.* is invalid: must be a file path in an existing folder$"):
+        cli.check_output_file("--json", str(tmp_path / "afile" / "out.json"))
+
+
+def test_calibrate_names_the_seq_len_flag_of_a_window_too_long_for_the_models(tmp_path, capsys):
+    """The message said ``seq_len=100000 exceeds …``."""
+    assert main(["calibrate", "--out", str(tmp_path / "out"), "--seq-len", "100000"]) == 2
+    assert "dspark-jax calibrate: error: --seq-len 100000 exceeds max_position_embeddings" in capsys.readouterr().err

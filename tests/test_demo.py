@@ -45,6 +45,15 @@ def test_demo_flags_out_of_range_and_unknown_commands_are_refused(capsys):
     assert "unknown command 'bogus': choose one of demo, generate" in capsys.readouterr().err
 
 
+def test_demo_names_its_flags_for_an_empty_or_too_long_prompt(capsys):
+    """The messages named ``prompts[0]`` and ``max_new_tokens[0]`` instead of the flags."""
+    assert main(["demo", "--prompt", ""]) == 2
+    assert "dspark-jax demo: error: --prompt '' encodes to no tokens" in capsys.readouterr().err
+    assert main(["demo", "--max-new", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: built-in prompt 1 has \d+ tokens: with --max-new 100000 .* lower --max-new\n", err), err
+
+
 def test_demo_checkpoint_flags_are_refused_by_name(tmp_path, capsys):
     """A missing draft was refused only after the target had loaded, and a target folder given
     as the draft as ``draft config is missing the required field 'mask_token_id'``, naming

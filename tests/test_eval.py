@@ -1,15 +1,16 @@
 """``dspark-jax eval`` on the bundled pair (small scale) and its pieces."""
 
 import json
+import os
 import re
 
 import numpy as np
 import pytest
 
-from dspark_jax.bundled import TARGET_DIR
+from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.cli import main
 from dspark_jax.corpus import load_corpus
-from dspark_jax.evaluate import format_tables, heldout_prompts
+from dspark_jax.evaluate import draft_labels, format_tables, heldout_prompts
 from dspark_jax.tokenizer import load_tokenizer
 
 
@@ -85,7 +86,8 @@ def test_eval_flags_out_of_range_are_refused_by_argparse(flags, says, capsys):
 
 def test_eval_refuses_bad_settings_before_reading_the_held_out_text(tmp_path, capsys):
     """Repeated temperatures were merged into fewer columns; a --json in a missing folder failed
-    after the whole evaluation; prompts too long for the models failed after encoding. Each is
+    after the whole evaluation; prompts too long for the models failed after encoding; an empty
+    --baseline-draft was taken for 'none'. Each is
     one line naming the flag, exit status 2."""
 
     def refused(argv: list[str], says: str) -> None:
@@ -96,6 +98,7 @@ def test_eval_refuses_bad_settings_before_reading_the_held_out_text(tmp_path, ca
     refused(["--temperatures", "0", "0", "1"], r"--temperatures \[0.0, 0.0, 1.0\] is invalid: each temperature once")
     for path in (tmp_path / "missing" / "x.json", tmp_path):
         refused(["--json", str(path)], "--json=.* is invalid: must be a file path in an existing folder")
+    refused(["--baseline-draft", ""], "--baseline-draft '' is invalid: give a draft checkpoint folder, or 'none' .*")
     refused(["--prompt-len", "500"], r"--prompt-len 500 \+ --max-new 128 .* exceed the models' max_position.*")
 
 
@@ -114,3 +117,32 @@ def test_eval_checkpoint_flags_are_checked_by_name_before_loading(tmp_path, caps
     ):
         assert main(["eval", flag, str(path)]) == 2
         assert capsys.readouterr().err == f"dspark-jax eval: error: {flag} {str(path)!r} {says}\n"
+
+
+def test_eval_refuses_a_json_path_it_cannot_write_before_evaluating(tmp_path, capsys, monkeypatch):
+    """A --json under a read-only folder printed the results, then failed with a traceback.
+    The folder is read-only to ``os.access`` (chmod does not bind root, who runs CI boxes)."""
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == locked else real(path, mode))
+    assert main(["eval", "--json", os.path.join(locked, "out.json")]) == 2
+    assert "--json=" in (err := capsys.readouterr().err) and "cannot be written" in err, err
+
+
+def test_drafts_are_labelled_by_their_markov_head_not_by_flag_position():
+    """``--draft`` was always "DSpark" and ``--baseline-draft`` "DFlash-style", even swapped."""
+    assert draft_labels([4, 0]) == ["DSpark", "DFlash-style"]
+    assert draft_labels([0, 4]) == ["DFlash-style", "DSpark"]
+    assert draft_labels([0]) == ["DFlash-style"]
+    assert draft_labels([2, 4]) == ["DSpark (--draft)", "DSpark (--baseline-draft)"]
+    assert draft_labels([0, 0]) == ["DFlash-style (--draft)", "DFlash-style (--baseline-draft)"]
+
+
+def test_eval_with_the_bundled_drafts_swapped_names_each_by_its_kind(tmp_path, capsys):
+    path = tmp_path / "eval.json"
+    argv = ["eval", "--prompts", "1", "--prompt-len", "8", "--max-new", "4", "--temperatures", "0"]
+    swapped = ["--draft", DRAFT_DIRS["dflash"], "--baseline-draft", DRAFT_DIRS["dspark"]]
+    assert main([*argv, *swapped, "--json", str(path)]) == 0
+    assert "| DFlash-style / DSpark |" in capsys.readouterr().out
+    assert list(json.loads(path.read_text())["results"]) == ["DFlash-style", "DSpark"]

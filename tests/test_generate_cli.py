@@ -93,7 +93,35 @@ def test_generate_measures_its_schedule_at_a_shorter_context_where_the_prompt_le
 def test_generate_refuses_a_verify_schedule_without_a_confidence_head(tmp_path, capsys):
     argv = _save_pair(tmp_path) + ["--prompt", "the cat", "--verify-schedule", "per_request"]
     assert main(argv) == 2
-    assert "dspark-jax generate: error: verify_schedule needs a draft with a confidence head" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dspark-jax generate: error: --verify-schedule per_request needs a --draft with a confidence head" in err
+
+
+def test_generate_refuses_a_verify_schedule_the_models_have_no_room_to_measure(tmp_path, capsys):
+    """The message named the library's arguments: ``lower prompt_len or rounds``."""
+    argv = _save_pair(tmp_path, enable_confidence_head=True, max_position_embeddings=40)
+    assert main([*argv, "--prompt", "the cat", "--max-new-tokens", "4", "--verify-schedule", "per_request"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"dspark-jax generate: error: --verify-schedule per_request measures 10 timed rounds, which need 48 "
+        r"positions .* max_position_embeddings=40: drop --verify-schedule, or give a --target and --draft with "
+        r"more positions\n",
+        err,
+    ), err
+
+
+def test_generate_names_the_prompt_and_max_new_tokens_flags_of_a_prompt_that_does_not_fit(tmp_path, capsys):
+    """The messages named ``prompts[0]`` and ``max_new_tokens[0]``."""
+    argv = _save_pair(tmp_path, max_position_embeddings=40)
+    assert main([*argv, "--prompt", "", "--max-new-tokens", "4"]) == 2
+    assert "error: --prompt '' encodes to no tokens: every prompt needs >= 1 token" in capsys.readouterr().err
+    assert main([*argv, "--prompt", "the cat", "--max-new-tokens", "40"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r"error: --prompt 'the cat' has \d+ tokens: with --max-new-tokens 40 .* past the draft's "
+        r"max_position_embeddings=40: shorten the prompt or lower --max-new-tokens\n",
+        err,
+    ), err
 
 
 def test_out_of_range_sampling_flags_are_refused_by_name_before_loading(tmp_path, capsys):

@@ -525,12 +525,15 @@ def _must_not_run_outside_tracing(cls):
 
 
 def test_train_target_cli_refuses_sizes_beyond_free_memory_before_any_work(tmp_path, no_work, monkeypatch):
+    """The vocabulary counted (258) is the smallest the tokenizer can have, not the default 2048:
+    the message says so."""
     monkeypatch.setattr("dspark_jax.memory_gate.free_device_bytes", lambda device=None: 8 * 10**9)
     out = tmp_path / "out"
     args = _parse(target_training, ["--out", str(out), "--hidden-size", "1000000"])
     want = (
         "--hidden-size 1000000, --intermediate-size 576, --layers 4, --heads 4, --kv-heads 2, --head-dim 48, "
-        "--batch 64, --seq-len 256 (vocabulary 258): training needs at least 151.74 GB (9,483,000,384 parameters "
+        "--batch 64, --seq-len 256 (vocabulary 258, the smallest the tokenizer can come out with): "
+        "training needs at least 151.74 GB (9,483,000,384 parameters "
     )
     platform = jax.devices()[0].platform  # the device whose free memory was read
     free = rf".*more than the 8\.00 GB free on {platform}; lower these sizes"
@@ -653,3 +656,25 @@ def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, 
     assert info["sts_calibration"]["labels"] == "greedy"
     saved = load_draft(tmp_path / "draft", target=target)
     np.testing.assert_allclose(saved.confidence_head.sts_temperature[...], [0.5, 0.6, 0.7, 0.8], rtol=1e-6)
+
+
+def test_train_target_cli_names_the_flags_of_invalid_model_settings(tmp_path, no_work):
+    """The messages named config fields: ``seq_len=32 exceeds the target's
+    max_position_embeddings=16``, ``num_key_value_heads=3``."""
+    for argv, says in (
+        (["--seq-len", "32", "--context", "16"], "--seq-len 32 exceeds the target's --context 16"),
+        (["--kv-heads", "3"], "--kv-heads 3 "),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)) as err:
+            target_training.run(_parse(target_training, ["--out", str(tmp_path / "out"), *argv]))
+        assert "num_key_value_heads=" not in str(err.value) and "seq_len=" not in str(err.value)
+
+
+def test_train_draft_cli_names_draft_config_in_its_loading_errors(tmp_path, no_work):
+    """A missing, non-JSON or target ``--draft-config`` was reported without naming the flag."""
+    (tmp_path / "bad.json").write_text("#!/bin/sh")
+    (tmp_path / "target.json").write_text(json.dumps(dataclasses.asdict(TARGET_CFG)))
+    for name in ("missing.json", "bad.json", "target.json"):
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError, match=f"^--draft-config {re.escape(repr(path))}: "):
+            train.run(_draft_args(tmp_path, "--draft-config", path))
