@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: three built-in)")
     parser.add_argument("--max-new", type=number_flag(int, 1, MAX_NEW_TOKENS), default=96, help="new tokens per prompt")
-    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
+    parser.add_argument(
+        "--seed", type=number_flag(int, 0, SEED_MAX), default=0, help="PRNG seed of the sampled runs (default 0)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -177,8 +177,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new", type=number_flag(int, 1, MAX_NEW_TOKENS), default=128, help="new tokens per prompt"
     )
-    parser.add_argument("--temperatures", type=number_flag(float, 0, MAX_TEMPERATURE), nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
+    parser.add_argument(
+        "--temperatures",
+        type=number_flag(float, 0, MAX_TEMPERATURE),
+        nargs="+",
+        default=[0.0, 1.0],
+        help="temperatures to evaluate at, 0 = greedy (default 0 1)",
+    )
+    parser.add_argument(
+        "--seed", type=number_flag(int, 0, SEED_MAX), default=0, help="prompt and PRNG seed (default 0)"
+    )
     parser.add_argument("--json", help="also write the results to this file (its folder must exist)")
 
 

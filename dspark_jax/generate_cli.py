@@ -39,14 +39,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, help="DSpark draft checkpoint folder")
     parser.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     parser.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the target folder)")
-    parser.add_argument("--max-new-tokens", type=number_flag(int, 1, MAX_NEW_TOKENS), default=64)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=number_flag(int, 1, MAX_NEW_TOKENS),
+        default=64,
+        help="new tokens per prompt (default 64)",
+    )
     parser.add_argument("--temperature", type=number_flag(float, 0, MAX_TEMPERATURE), default=0.0, help="0 = greedy")
     parser.add_argument(
         "--top-k", type=number_flag(int, 1, TOP_K_MAX), default=None, help="default: no top-k; 1 = greedy"
     )
-    parser.add_argument("--top-p", type=number_flag(float, 0, 1, open_low=True), default=1.0)
-    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument(
+        "--top-p",
+        type=number_flag(float, 0, 1, open_low=True),
+        default=1.0,
+        help="the target's nucleus, in (0, 1] (default 1: no top-p)",
+    )
+    parser.add_argument("--seed", type=number_flag(int, 0, SEED_MAX), default=0, help="PRNG seed (default 0)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="run both models in this dtype (default: the target in its config's dtype, the draft in float32)",
+    )
     parser.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
     parser.add_argument("--compare", action="store_true", help="also time plain decoding with the target alone")
     parser.add_argument(

@@ -232,19 +232,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{len(DEFAULT_SPECIAL_TOKENS)} special tokens; default {DEFAULT_VOCAB_SIZE}; with --resume, the saved "
         "tokenizer's)",
     )
-    parser.add_argument("--hidden-size", type=COUNT, default=192)
-    parser.add_argument("--intermediate-size", type=COUNT, default=576)
-    parser.add_argument("--layers", type=COUNT, default=4)
-    parser.add_argument("--heads", type=COUNT, default=4)
-    parser.add_argument("--kv-heads", type=COUNT, default=2)
-    parser.add_argument("--head-dim", type=COUNT, default=48)
+    parser.add_argument("--hidden-size", type=COUNT, default=192, help="model width (default 192)")
+    parser.add_argument("--intermediate-size", type=COUNT, default=576, help="MLP width (default 576)")
+    parser.add_argument("--layers", type=COUNT, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--heads", type=COUNT, default=4, help="attention heads (default 4)")
+    parser.add_argument("--kv-heads", type=COUNT, default=2, help="key/value heads, dividing --heads (default 2)")
+    parser.add_argument("--head-dim", type=COUNT, default=48, help="width of each head, even (default 48)")
     parser.add_argument("--context", type=COUNT, default=512, help="max_position_embeddings")
-    parser.add_argument("--steps", type=COUNT, default=3000)
-    parser.add_argument("--batch", type=COUNT, default=64)
-    parser.add_argument("--seq-len", type=COUNT, default=256)
-    parser.add_argument("--lr", type=LEARNING_RATE, default=2e-3)
-    parser.add_argument("--seed", type=SEED, default=0)
-    parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--steps", type=COUNT, default=3000, help="optimizer steps (default 3000)")
+    parser.add_argument("--batch", type=COUNT, default=64, help="windows per step (default 64)")
+    parser.add_argument("--seq-len", type=COUNT, default=256, help="tokens per window, <= --context (default 256)")
+    parser.add_argument("--lr", type=LEARNING_RATE, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
+    parser.add_argument("--seed", type=SEED, default=0, help="initialisation and batch seed (default 0)")
+    parser.add_argument(
+        "--save-dtype",
+        default="float16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the saved weights (training runs in float32; default float16)",
+    )
     parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=1000, help="0 = only at the end")
     parser.add_argument(
         "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"

@@ -1212,9 +1212,9 @@ LEARNING_RATE = number_flag(float, 0, FLOAT32_MAX, open_low=True)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
     parser.add_argument("--out", required=True, help="output folder for the draft checkpoint (new, or --resume)")
-    parser.add_argument("--steps", type=COUNT, default=2000)
+    parser.add_argument("--steps", type=COUNT, default=2000, help="optimizer steps (default 2000)")
     parser.add_argument("--batch", type=COUNT, default=16, help="sequences per step (>= 2 with --distill)")
-    parser.add_argument("--seq-len", type=COUNT, default=256)
+    parser.add_argument("--seq-len", type=COUNT, default=256, help="tokens per training sequence (default 256)")
     parser.add_argument(
         "--anchors", type=COUNT, default=32, help="anchors (blocks) per sequence, at most seq-len − rows − 1"
     )
@@ -1225,9 +1225,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-config", help="a draft config.json to use instead of --gamma, --markov-rank, --layers, --no-confidence"
     )
-    parser.add_argument("--lr", type=LEARNING_RATE, default=6e-4)
-    parser.add_argument("--seed", type=SEED, default=0)
-    parser.add_argument("--save-dtype", default="float16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--lr", type=LEARNING_RATE, default=6e-4, help="peak AdamW learning rate (default 6e-4)")
+    parser.add_argument("--seed", type=SEED, default=0, help="initialisation, batch and anchor seed (default 0)")
+    parser.add_argument(
+        "--save-dtype",
+        default="float16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the saved weights (training runs in float32; default float16)",
+    )
     parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=500, help="0 = only at the end")
     parser.add_argument(
         "--distill",

@@ -180,3 +180,11 @@ def test_calibrate_names_the_seq_len_flag_of_a_window_too_long_for_the_models(tm
     """The message said ``seq_len=100000 exceeds …``."""
     assert main(["calibrate", "--out", str(tmp_path / "out"), "--seq-len", "100000"]) == 2
     assert "dspark-jax calibrate: error: --seq-len 100000 exceeds max_position_embeddings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_flag_of_every_command_says_what_it_does(command):
+    parser = argparse.ArgumentParser()
+    importlib.import_module(cli.COMMANDS[command][0]).add_arguments(parser)
+    bare = [a.option_strings or [a.dest] for a in parser._actions if a.help in (None, "")]
+    assert not bare, f"{command}: flags without help: {bare}"
