@@ -488,10 +488,10 @@ def test_train_target_checks_the_model_shape_before_training_a_tokenizer(tmp_pat
     target_training.add_arguments(parser)
     out = tmp_path / "out"
     args = parser.parse_args(["--out", str(out), "--heads", "3", "--kv-heads", "2"])
-    with pytest.raises(ValueError, match=r"num_key_value_heads=2 is invalid: must divide num_attention_heads=3"):
+    with pytest.raises(ValueError, match=r"--kv-heads 2 is invalid: must divide --heads 3"):
         target_training.run(args)
     args = parser.parse_args(["--out", str(out), "--seq-len", "600", "--context", "512"])
-    with pytest.raises(ValueError, match="seq_len=600 exceeds the target's max_position_embeddings=512"):
+    with pytest.raises(ValueError, match="--seq-len 600 exceeds the target's --context 512"):
         target_training.run(args)
     assert not out.exists()
 
