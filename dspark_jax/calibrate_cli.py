@@ -20,7 +20,7 @@ import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.calibration import CALIBRATION_LABELS
-from dspark_jax.cli import as_flags, check_checkpoint, loading
+from dspark_jax.cli import add_save_dtype, as_flags, check_checkpoint, loading
 from dspark_jax.train import COUNT, SEED, cast_params, check_output_folder
 
 
@@ -38,12 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=COUNT, default=8, help="windows per batch")
     parser.add_argument("--seq-len", type=COUNT, default=256, help="tokens per window (anchors every 4th)")
     parser.add_argument("--seed", type=SEED, default=1, help="window sampling seed")
-    parser.add_argument(
-        "--save-dtype",
-        default="float16",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the saved calibrated draft (default float16)",
-    )
+    add_save_dtype(parser, "calibrated draft")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,16 @@ SEED_MAX = 2**32 - 1
 """The largest ``--seed`` (NumPy's generators and ``jax.random.key`` take it)."""
 
 
+def add_save_dtype(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--save-dtype {float32,bfloat16,float16}`` (default float16): the dtype ``what`` is saved in."""
+    parser.add_argument(
+        "--save-dtype",
+        default="float16",
+        choices=["float32", "bfloat16", "float16"],
+        help=f"dtype of the saved {what} (default float16)",
+    )
+
+
 def number_flag(kind: type, low: float, high: float = math.inf, *, open_low: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite ``kind`` number in ``[low, high]`` (``(low, high]`` with
     ``open_low``), so that a bad flag is refused by name before any checkpoint loads."""

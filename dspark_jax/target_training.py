@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.cli import as_flags, number_flag
+from dspark_jax.cli import add_save_dtype, as_flags, number_flag
 from dspark_jax.config import TargetConfig, normalise_numbers
 from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS
@@ -244,12 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=COUNT, default=256, help="tokens per window, <= --context (default 256)")
     parser.add_argument("--lr", type=LEARNING_RATE, default=2e-3, help="peak AdamW learning rate (default 2e-3)")
     parser.add_argument("--seed", type=SEED, default=0, help="initialisation and batch seed (default 0)")
-    parser.add_argument(
-        "--save-dtype",
-        default="float16",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the saved weights (training runs in float32; default float16)",
-    )
+    add_save_dtype(parser, "weights (training runs in float32)")
     parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=1000, help="0 = only at the end")
     parser.add_argument(
         "--max-seconds", type=positive_seconds, help="stop early after this much training time (seconds > 0)"

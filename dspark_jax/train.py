@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.cli import SEED_MAX, check_checkpoint, loading, number_flag
+from dspark_jax.cli import SEED_MAX, add_save_dtype, check_checkpoint, loading, number_flag
 from dspark_jax.config import (
     DraftConfig,
     TargetConfig,
@@ -1227,12 +1227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=LEARNING_RATE, default=6e-4, help="peak AdamW learning rate (default 6e-4)")
     parser.add_argument("--seed", type=SEED, default=0, help="initialisation, batch and anchor seed (default 0)")
-    parser.add_argument(
-        "--save-dtype",
-        default="float16",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the saved weights (training runs in float32; default float16)",
-    )
+    add_save_dtype(parser, "weights (training runs in float32)")
     parser.add_argument("--checkpoint-every", type=COUNT_OR_ZERO, default=500, help="0 = only at the end")
     parser.add_argument(
         "--distill",
