@@ -286,9 +286,7 @@ def _check_positions(lengths: np.ndarray, max_new: np.ndarray, lookahead: int, l
       lookahead: positions run past the last output token (γ − 1, or 0 for plain decoding).
       limits: ``max_position_embeddings`` by model name (``None`` where a config has none).
     """
-    ends = lengths.astype(np.int64) + max_new  # [B]
-    b = int(np.argmax(ends))
-    need = int(ends[b]) + lookahead
+    b, need = _longest_request(lengths, max_new, lookahead)
     over = {name: limit for name, limit in limits.items() if limit is not None and need > limit}
     if over:
         terms = "prompt + max_new_tokens" + (" + gamma - 1" if lookahead else "")
@@ -300,17 +298,24 @@ def _check_positions(lengths: np.ndarray, max_new: np.ndarray, lookahead: int, l
         )
 
 
+def _longest_request(lengths: np.ndarray, max_new: np.ndarray, lookahead: int) -> tuple[int, int]:
+    """``(b, need)``: the request needing the most positions and how many (prompt, output and
+    ``lookahead``)."""
+    ends = lengths.astype(np.int64) + max_new  # [B]
+    b = int(np.argmax(ends))
+    return b, int(ends[b]) + lookahead
+
+
 def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, lookahead: int) -> int:
     """The cache capacity: ``capacity``, checked, or the bucket of the positions the requests
     need (as :func:`_check_positions`: prompt and output, plus ``lookahead``)."""
-    need = int((lengths.astype(np.int64) + max_new).max()) + lookahead
+    b, need = _longest_request(lengths, max_new, lookahead)
     if capacity is None:
         return _bucket(need)
     capacity = _scalar(capacity)
     if not is_integer(capacity):
         raise TypeError(f"capacity={capacity!r} is invalid: must be None (sized from the requests) or an integer")
     if capacity < need:
-        b = int(np.argmax(lengths.astype(np.int64) + max_new))
         raise ValueError(
             f"capacity={capacity!r} is too small: prompt {b} has {int(lengths[b])} tokens and may generate "
             f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens"
