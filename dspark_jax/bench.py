@@ -501,10 +501,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timing-out", default=None, help=argparse.SUPPRESS)
 
 
+def check_xla_flags(flags: str) -> None:
+    """Refuses ``--xla-flags`` that XLA would abort the process on, naming the flag.
+
+    XLA reads ``XLA_FLAGS`` when the first backend starts and aborts on a name it does not
+    know; a child process on the CPU backend (no accelerator memory taken) tries them first.
+
+    Raises:
+      ValueError: XLA refused the flags, with XLA's own line.
+    """
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, check=False
+    )
+    if child.returncode != 0:
+        lines = [line for line in child.stderr.splitlines() if "flag" in line.lower()] or child.stderr.splitlines()
+        said = lines[-1].split("] ", 1)[-1] if lines else f"exit status {child.returncode}"
+        raise ValueError(f"--xla-flags {flags!r}: XLA refuses it ({said})")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark described by parsed ``args``; prints the table, writes JSON. Returns 1
     when the e2e stage failed (the table names the error), else 0."""
     if args.xla_flags:
+        check_xla_flags(args.xla_flags)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     for flag, _, variable, _ in ENV_FLAGS:
         if getattr(args, flag):

@@ -87,6 +87,23 @@ def _tokens_per_second(result: GenerationResult) -> float:
     return sum(len(t) for t in result.tokens) / result.seconds
 
 
+def check_prompt_ids(prompts: list[list[int]], args: argparse.Namespace, vocab_size: int) -> None:
+    """Refuses prompts whose token ids the tokenizer gives past the target's vocabulary.
+
+    Raises:
+      ValueError: naming the tokenizer's flag and path, the prompt, the id and the
+        target's vocabulary size.
+    """
+    flag, path = ("--tokenizer", args.tokenizer) if args.tokenizer else ("--target", args.target)
+    for text, ids in zip(args.prompt, prompts, strict=True):
+        outside = [i for i in ids if not 0 <= i < vocab_size]
+        if outside:
+            raise ValueError(
+                f"the tokenizer of {flag} {path!r} encodes --prompt {text!r} to id {outside[0]}, outside the "
+                f"--target's vocabulary of {vocab_size} ids: give the tokenizer the target was trained with"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     check_checkpoint("--target", args.target, tokenizer=not args.tokenizer)
     check_checkpoint("--draft", args.draft)
@@ -98,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         draft = load_draft(args.draft, target=target, dtype=args.dtype)
     check_pair(draft.cfg, target.config)
     prompts = [tokenizer.encode(text) for text in args.prompt]
+    check_prompt_ids(prompts, args, target.config.vocab_size)
     limits = {"target": target.config.max_position_embeddings, "draft": draft.cfg.max_position_embeddings}
     check_prompts(
         prompts,

@@ -513,7 +513,8 @@ def fit(
 
     Returns:
       ``(params, history, steps done)``; ``history`` maps each metric to the values read
-      on logged steps (every step with ``record_every_step``).
+      on logged steps (every step with ``record_every_step``). A resumed run with no step
+      left to run returns the metrics its last checkpoint was written with.
 
     Raises:
       ValueError: ``max_seconds`` is not a finite number > 0; on resuming, the checkpoint
@@ -523,10 +524,12 @@ def fit(
     """
     check_max_seconds(max_seconds)
     start = 0
+    saved_metrics: dict[str, float] = {}
     if resume:
         check_resume_settings(checkpoint_dir, run_meta)
         (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
         start = meta["step"]
+        saved_metrics = meta.get("metrics") or {}
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
     started = time.perf_counter()
@@ -556,10 +559,12 @@ def fit(
                 f"(whose loss was {metrics['loss']}); stopped before saving (a smaller lr may help)"
             )
         if save:
-            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done})
+            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done, "metrics": metrics})
         if out_of_time:
             break
     bar.close()
+    if not history and saved_metrics:  # a finished run resumed: nothing ran, report where it ended
+        history = {k: [float(v)] for k, v in saved_metrics.items()}
     return params, history, done
 
 
@@ -1411,11 +1416,16 @@ def run(args: argparse.Namespace) -> int:
     check_heldout_losses("draft", {key: stats[key] for key in ("ce", "tv", "bce")}, result.step)
     draft = result.model
     calibration = None
+    calibration_error = None
     if args.calibrate:
         from dspark_jax.calibration import fit_sts_temperature
 
-        fit = fit_sts_temperature(draft, target, heldout, labels=args.calibrate, seq_len=min(tcfg.seq_len, 256))
-        calibration = dataclasses.asdict(fit)
+        try:
+            fit = fit_sts_temperature(draft, target, heldout, labels=args.calibrate, seq_len=min(tcfg.seq_len, 256))
+            calibration = dataclasses.asdict(fit)
+        except ValueError as err:  # the training is kept: the draft is saved uncalibrated, then this is raised
+            calibration_error = f"--calibrate {args.calibrate} failed: {err}"
+            calibration = {"error": calibration_error}
     draft.cfg = dataclasses.replace(draft_cfg, dtype=args.save_dtype, param_dtype=args.save_dtype)
     cast_params(draft, args.save_dtype)
     save_draft(draft, args.out)
@@ -1435,4 +1445,9 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
     print(json.dumps({"heldout_teacher_forced": stats}, indent=2))
+    if calibration_error is not None:
+        raise ValueError(
+            f"{calibration_error}; the trained draft was saved uncalibrated in --out {args.out!r} "
+            "(its training.json says so); `dspark-jax calibrate` can try again with other labels or more text"
+        )
     return 0

@@ -5,6 +5,7 @@ import copy
 import functools
 import json
 import os
+import re
 import types
 import weakref
 
@@ -332,6 +333,18 @@ def test_e2e_settings_and_the_output_file_are_refused_before_any_stage(monkeypat
     monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path) and access(path, mode))
     with pytest.raises(ValueError, match=r"^--out=.* cannot be written: .* is not writable$"):
         bench.main([*base, "--out", str(tmp_path / "b.json")])
+
+
+def test_an_xla_flag_xla_does_not_know_is_refused_by_name(monkeypatch):
+    """An unknown name in ``--xla-flags`` aborted the process at the backend's start with exit
+    status 1 and XLA's fatal log line; it is now tried in a child process first."""
+    monkeypatch.setattr(bench, "_measure", lambda *a, **k: pytest.fail("the run reached the timed stage"))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    want = "--xla-flags '--xla_no_such_flag=1': XLA refuses it (Unknown flag in XLA_FLAGS: --xla_no_such_flag=1)"
+    with pytest.raises(ValueError, match="^" + re.escape(want) + "$"):
+        bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--xla-flags=--xla_no_such_flag=1"])
+    assert "XLA_FLAGS" not in os.environ
+    bench.check_xla_flags("--xla_gpu_enable_pdl=true")  # a known flag passes, GPU-only or not
 
 
 def test_zero_or_negative_counts_are_refused_not_replaced_by_the_preset():

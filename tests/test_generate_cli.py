@@ -177,3 +177,19 @@ def test_checkpoint_flags_are_refused_by_name_before_loading(tmp_path, capsys):
     ):
         assert main(["generate", *argv, "--prompt", "x"]) == 2
         assert capsys.readouterr().err == f"dspark-jax generate: error: {says}\n"
+
+
+def test_a_tokenizer_with_ids_past_the_target_vocabulary_is_named(tmp_path, capsys):
+    argv = _save_pair(tmp_path)
+    big = train_bpe(["zebra quokka axolotl narwhal " * 4] * 3, vocab_size=400)
+    big.save(tmp_path / "big")
+    assert big.vocab_size > 270
+    text = "zebra quokka"
+    ids = big.encode(text)
+    assert max(ids) >= 270  # a merge the target's vocabulary does not hold
+    code = main([*argv, "--tokenizer", str(tmp_path / "big"), "--prompt", text, "--max-new-tokens", "2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    first = next(i for i in ids if i >= 270)
+    assert f"the tokenizer of --tokenizer {str(tmp_path / 'big')!r} encodes --prompt {text!r} to id {first}" in err
+    assert "vocabulary of 270 ids" in err

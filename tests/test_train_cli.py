@@ -628,9 +628,8 @@ def test_train_draft_cli_refuses_calibrate_without_a_confidence_head_before_read
         train.run(_draft_args(tmp_path, "--calibrate", "sampling", "--draft-config", str(path)))
 
 
-def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, monkeypatch):
-    """The trained draft is calibrated on the held-out text, saved with its temperatures, and
-    ``training.json`` records the fit (training and the fit itself stubbed: the wiring)."""
+def _stub_training(tmp_path, monkeypatch):
+    """``train-draft``'s corpus, target, training and evaluation stubbed; returns the target."""
     _stub_corpus(monkeypatch)
     corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
     monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
@@ -641,6 +640,13 @@ def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, 
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: target)
     monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=trained, history={}, step=3))
     monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": 1.0, "tv": 0.5, "bce": 0.6})
+    return target
+
+
+def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, monkeypatch):
+    """The trained draft is calibrated on the held-out text, saved with its temperatures, and
+    ``training.json`` records the fit (training and the fit itself stubbed: the wiring)."""
+    target = _stub_training(tmp_path, monkeypatch)
     calls = []
 
     def fit(draft, target_, tokens, *, labels, seq_len):
@@ -656,6 +662,24 @@ def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, 
     assert info["sts_calibration"]["labels"] == "greedy"
     saved = load_draft(tmp_path / "draft", target=target)
     np.testing.assert_allclose(saved.confidence_head.sts_temperature[...], [0.5, 0.6, 0.7, 0.8], rtol=1e-6)
+
+
+def test_a_failed_calibration_keeps_the_trained_draft_and_names_the_flag(tmp_path, monkeypatch):
+    """A fit that failed after training raised the calibration's own message and saved nothing."""
+    target = _stub_training(tmp_path, monkeypatch)
+
+    def fit(*args, **kwargs):
+        raise ValueError("slot 1: no positive temperature lowers the cross-entropy")
+
+    monkeypatch.setattr("dspark_jax.calibration.fit_sts_temperature", fit)
+    out = str(tmp_path / "draft")
+    want = "--calibrate sampling failed: slot 1: no positive temperature lowers the cross-entropy; the trained draft "
+    with pytest.raises(ValueError, match=re.escape(want + f"was saved uncalibrated in --out {out!r}")):
+        train.run(_draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate=sampling"))
+    info = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert info["sts_calibration"] == {"error": want.split("; the")[0]}
+    saved = load_draft(out, target=target)
+    np.testing.assert_array_equal(saved.confidence_head.sts_temperature[...], np.ones(4, np.float32))
 
 
 def test_train_target_cli_names_the_flags_of_invalid_model_settings(tmp_path, no_work):
@@ -678,3 +702,29 @@ def test_train_draft_cli_names_draft_config_in_its_loading_errors(tmp_path, no_w
         path = str(tmp_path / name)
         with pytest.raises(ValueError, match=f"^--draft-config {re.escape(repr(path))}: "):
             train.run(_draft_args(tmp_path, "--draft-config", path))
+
+
+def test_resuming_a_finished_run_reports_the_loss_it_ended_with(tmp_path):
+    def step_fn(params, opt_state, step):
+        return params, opt_state, {"loss": jnp.float32(10.0 - step)}
+
+    def run(resume):
+        return fit(
+            step_fn,
+            {"w": jnp.zeros(2)},
+            (),
+            types.SimpleNamespace(steps=3, log_every=1, checkpoint_every=0),
+            name="test",
+            run_meta={"seed": 0},
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            resume=resume,
+            progress=False,
+            max_seconds=None,
+            end=3,
+            record_every_step=False,
+        )
+
+    _, first, done = run(resume=False)
+    assert done == 3 and first["loss"] == [10.0, 9.0, 8.0]
+    _, again, done = run(resume=True)  # nothing left to run
+    assert done == 3 and again == {"loss": [8.0]}
