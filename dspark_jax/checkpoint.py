@@ -32,6 +32,7 @@ from dspark_jax.safetensors_io import (
     INDEX_NAME,
     WEIGHTS_NAME,
     cast_weight,
+    finish_interrupted_save,
     folder_path,
     open_safetensors,
     read_index,
@@ -342,6 +343,8 @@ def load_draft(
         that is not finite and > 0.
     """
     folder = folder_path(path)
+    if os.path.isdir(folder):
+        finish_interrupted_save(folder)  # a save cut short while moving its files
     config_path = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise ValueError(f"checkpoint path {folder!r} has no {CONFIG_NAME}: expected a checkpoint folder")

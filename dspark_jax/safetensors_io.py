@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,6 +122,68 @@ def _checkpoint_files(folder: str) -> set[str]:
     return {os.path.basename(p) for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))}
 
 
+STAGING_PREFIX = ".saving-"
+JOURNAL_NAME = "replace.json"  # in a staging folder: written once every new file is in it
+
+
+def _move_into_place(folder: str, staging: str) -> None:
+    """Moves a complete staging folder's files into ``folder`` as its journal lists them,
+    removes the old layout's leftovers, then the staging folder. Idempotent: a file already
+    moved or removed (by an earlier, interrupted call) is skipped."""
+    journal = read_json_file(os.path.join(staging, JOURNAL_NAME))
+    for file in journal["files"]:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(os.path.join(staging, file), os.path.join(folder, file))
+    for file in journal["stale"]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, file))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def finish_interrupted_save(folder: str) -> list[str]:
+    """Completes a save that stopped while its files were being moved into place.
+
+    :func:`write_tensors` writes a journal into its staging folder once every new file is
+    written, and only then moves the files; a staging folder with a journal is a complete
+    checkpoint whose move was cut short (the process killed, the machine down), which left
+    old and new files mixed. Its move is finished here, so the folder holds the new
+    checkpoint whole. Staging folders without a journal (a write cut short: the old
+    checkpoint is whole) are left alone: another process may be writing them now.
+
+    Args:
+      folder: a checkpoint folder (nothing happens if it does not exist).
+
+    Returns:
+      The staging folders finished, oldest first (usually none); each one finished is
+      also reported with a ``UserWarning``.
+
+    Raises:
+      ValueError: a move could not be finished (a read-only folder, say), naming the
+        staging folder: the checkpoint's files are mixed until it is.
+    """
+    stagings = sorted(
+        glob.glob(os.path.join(glob.escape(folder), STAGING_PREFIX + "*", JOURNAL_NAME)), key=os.path.getmtime
+    )
+    done = []
+    for journal in stagings:
+        staging = os.path.dirname(journal)
+        try:
+            _move_into_place(folder, staging)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"checkpoint folder {folder!r} holds a save cut short while its files were moved into place "
+                f"({staging!r}); finishing it failed ({err}), so old and new files are mixed: finish it where the "
+                "folder is writable (load or save the checkpoint there), or save the checkpoint again"
+            ) from err
+        warnings.warn(
+            f"checkpoint folder {folder!r}: finished a save that was cut short while its files were moved into "
+            "place (the folder held old and new files mixed)",
+            stacklevel=2,
+        )
+        done.append(staging)
+    return done
+
+
 def write_tensors(
     folder: str,
     tensors: dict[str, np.ndarray],
@@ -132,9 +195,12 @@ def write_tensors(
 
     Checkpoint files already in the folder (``model.safetensors``, its index and
     ``model-*-of-*.safetensors`` shards) are replaced. Every new file is first written in a
-    temporary folder inside ``folder``; only when all are written are they moved into place
-    (``os.replace``) and the old layout's leftover files removed. A failed write (a full
-    disk, say) removes the temporary folder and leaves the old checkpoint as it was.
+    temporary folder inside ``folder``; only when all are written, and a journal naming them
+    is in that folder too, are they moved into place (``os.replace``) and the old layout's
+    leftover files removed. A failed write (a full disk, say) removes the temporary folder
+    and leaves the old checkpoint as it was; a move cut short (the process killed) is
+    finished by the next load or save of the folder (:func:`finish_interrupted_save`), so
+    old and new files are never read mixed.
 
     Args:
       folder: the folder (created if needed).
@@ -150,7 +216,8 @@ def write_tensors(
 
     Raises:
       ValueError: ``max_shard_bytes`` is not a positive integer or ``None`` (nothing is
-        written).
+        written), or an earlier save cut short could not be finished
+        (:func:`finish_interrupted_save`).
       OSError: a file could not be written (the old checkpoint is left as it was) or moved
         into place.
     """
@@ -180,7 +247,9 @@ def write_tensors(
     texts.update((file, json.dumps(value, indent=2)) for file, value in (json_files or {}).items())
 
     os.makedirs(folder, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".saving-", dir=folder)
+    finish_interrupted_save(folder)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder)
+    moving = False
     try:
         # safetensors creates its files 0600; give them the mode open() gives the JSON files
         # (0666 less the umask), read off a probe so that the process's umask is never set.
@@ -196,10 +265,15 @@ def write_tensors(
         # The tensor files go first, then their index and the JSON files (config.json); an old
         # index goes before the old shards it lists.
         stale = _checkpoint_files(folder) - set(files) - set(texts)
-        for file in [*files, *texts]:
-            os.replace(os.path.join(staging, file), os.path.join(folder, file))
-        for file in sorted(stale, key=lambda name: (name != INDEX_NAME, name)):
-            os.remove(os.path.join(folder, file))
+        journal = {"files": [*files, *texts], "stale": sorted(stale, key=lambda name: (name != INDEX_NAME, name))}
+        with open(os.path.join(staging, JOURNAL_NAME + ".tmp"), "w") as f:
+            json.dump(journal, f)
+        # From here the staging folder is a complete checkpoint: a move cut short is finished
+        # by the next load or save (finish_interrupted_save) instead of being thrown away.
+        os.replace(os.path.join(staging, JOURNAL_NAME + ".tmp"), os.path.join(staging, JOURNAL_NAME))
+        moving = True
+        _move_into_place(folder, staging)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not moving:
+            shutil.rmtree(staging, ignore_errors=True)
     return files

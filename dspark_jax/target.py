@@ -32,6 +32,7 @@ from dspark_jax.safetensors_io import (
     INDEX_NAME,
     WEIGHTS_NAME,
     cast_weight,
+    finish_interrupted_save,
     folder_path,
     open_safetensors,
     read_index,
@@ -318,6 +319,8 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
         ``dtype``, or is not part of the model.
     """
     path = folder_path(path)
+    if os.path.isdir(path):
+        finish_interrupted_save(path)  # a save cut short while moving its files
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"target path {path!r} has no config.json: expected a Hugging Face checkpoint folder")

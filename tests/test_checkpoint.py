@@ -125,6 +125,63 @@ def _fail_on_second_write(monkeypatch):
     monkeypatch.setattr(safetensors_io, "save_file", save_file)
 
 
+class _Killed(BaseException):
+    """Stands for the process being killed: no ``except Exception`` or cleanup catches it."""
+
+
+@pytest.mark.parametrize("old_shards", [None, 8_000], ids=["over-single", "over-sharded"])
+def test_a_save_killed_while_moving_its_files_is_finished_by_the_next_load(old_shards, tmp_path, monkeypatch):
+    """A save cut short between two of its ``os.replace`` calls left old and new files mixed
+    (a new shard beside the old config); the next load now finishes the move first."""
+    old = random_draft(tiny_config(markov_head_type="rnn"), seed=5)
+    save_draft(old, tmp_path, include_borrowed=True, max_shard_bytes=old_shards)
+    real, moved = os.replace, []
+
+    def replace(src, dst):
+        if os.path.dirname(dst) == str(tmp_path):  # a file moved into the checkpoint folder
+            if len(moved) == 1:
+                raise _Killed
+            moved.append(dst)
+        return real(src, dst)
+
+    monkeypatch.setattr(safetensors_io.os, "replace", replace)
+    new = random_draft(tiny_config(markov_head_type="gated", block_size=3), seed=6)
+    with pytest.raises(_Killed):
+        save_draft(new, tmp_path, include_borrowed=True, max_shard_bytes=6_000)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "config.json").read_text())["markov_head_type"] == "rnn"  # mixed: old config
+    assert len([p for p in os.listdir(tmp_path) if p.startswith(".saving-")]) == 1
+    with pytest.warns(UserWarning, match="finished a save that was cut short while its files were moved"):
+        loaded = load_draft(tmp_path)
+    assert_identical(new, loaded)
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", INDEX_NAME, *checkpoint_files(tmp_path)])
+
+
+def test_a_cut_short_save_that_cannot_be_finished_is_named(tmp_path, monkeypatch):
+    draft = random_draft(tiny_config(), seed=5)
+    save_draft(draft, tmp_path, include_borrowed=True)
+    staging = tmp_path / ".saving-x"
+    staging.mkdir()
+    (staging / WEIGHTS_NAME).write_bytes((tmp_path / WEIGHTS_NAME).read_bytes())
+    (staging / safetensors_io.JOURNAL_NAME).write_text(json.dumps({"files": [WEIGHTS_NAME], "stale": []}))
+
+    def replace(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(safetensors_io.os, "replace", replace)
+    want = f"checkpoint folder {str(tmp_path)!r} holds a save cut short while its files were moved into place "
+    with pytest.raises(ValueError, match=re.escape(want + f"({str(staging)!r}); finishing it failed")):
+        load_draft(tmp_path)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="finished a save"):
+        assert_identical(draft, load_draft(tmp_path))
+    assert not staging.exists()
+
+
+def checkpoint_files(folder):
+    return [p for p in os.listdir(folder) if p.endswith(".safetensors")]
+
+
 @pytest.mark.parametrize("old_shards", [None, 8_000], ids=["over-single", "over-sharded"])
 def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_files(old_shards, tmp_path, monkeypatch):
     old = random_draft(tiny_config(markov_head_type="rnn"), seed=5)

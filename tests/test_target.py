@@ -251,6 +251,29 @@ def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_files(tmp_path
     np.testing.assert_array_equal(_logits(load_target(tmp_path), tokens), _logits(old, tokens))
 
 
+def test_a_save_killed_while_moving_its_files_is_finished_by_the_next_target_load(tmp_path, monkeypatch):
+    from dspark_jax import safetensors_io
+
+    save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(3)), tmp_path, max_shard_bytes=4000)
+    new = Qwen3Target(_cfg(num_hidden_layers=3), rngs=nnx.Rngs(4))
+    real = os.replace
+
+    def replace(src, dst):  # killed at the first file moved into place
+        if os.path.dirname(dst) == str(tmp_path):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(safetensors_io.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_target(new, tmp_path)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="finished a save that was cut short"):
+        loaded = load_target(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    tokens = [1, 5, 9, 2]
+    np.testing.assert_array_equal(_logits(loaded, tokens), _logits(new, tokens))
+
+
 def test_saved_linear_weights_use_the_out_in_layout(tmp_path):
     target = Qwen3Target(_cfg(), rngs=nnx.Rngs(3))
     save_target(target, tmp_path)
