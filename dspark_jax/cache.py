@@ -147,8 +147,19 @@ def context_mask(prefix_lens: jax.Array, capacity: int) -> jax.Array:
     Raises:
       TypeError: ``prefix_lens`` is not of an integer dtype (a float or bool length would be
         truncated silently).
+      ValueError: ``prefix_lens`` is not ``[B]``, (when concrete) holds a value outside int32,
+        or ``capacity`` is not an integer ``>= 1``.
     """
     check_dtypes({"prefix_lens": (prefix_lens, jnp.integer)})
+    capacity = positive_int("capacity", capacity)
+    if np.ndim(prefix_lens) != 1:
+        raise ValueError(f"prefix_lens has shape {tuple(np.shape(prefix_lens))}: expected [B], one length per request")
+    if not isinstance(prefix_lens, jax.core.Tracer):
+        lens = np.asarray(prefix_lens)
+        outside = (lens < np.iinfo(np.int32).min) | (lens > np.iinfo(np.int32).max)
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise ValueError(f"prefix_lens[{i}]={int(lens[i])} is invalid: must fit int32")
     return jnp.arange(capacity, dtype=jnp.int32)[None, :] < jnp.asarray(prefix_lens, jnp.int32)[:, None]
 
 
@@ -186,6 +197,7 @@ def _check_features(
     check_draft(draft)
     cfg = draft.cfg
     _check_cache(cache)
+    _check_cache_fits(cfg, cache)
     width = cfg.num_fused_layers * cfg.hidden_size
     shape = tuple(np.shape(features))
     if len(shape) != 3 or shape[0] != cache.batch or shape[2] != width:
@@ -199,9 +211,28 @@ def _check_features(
 
 
 def _check_cache(cache: Any) -> None:
-    """Raises ``TypeError`` unless ``cache`` is a :class:`ContextCache`."""
+    """Raises ``TypeError`` unless ``cache`` is a :class:`ContextCache` of floating ``k`` and
+    ``v``, and ``ValueError`` unless they are one ``[L, B, C, KVH, D]`` shape (an integer cache
+    would truncate every projected key and value it is written)."""
     if not isinstance(cache, ContextCache):
         raise TypeError(f"cache has type {type(cache).__name__}: expected a ContextCache")
+    check_dtypes({"cache.k": (cache.k, jnp.floating), "cache.v": (cache.v, jnp.floating)})
+    if np.ndim(cache.k) != 5 or np.shape(cache.k) != np.shape(cache.v):
+        raise ValueError(
+            f"cache.k has shape {tuple(np.shape(cache.k))} and cache.v {tuple(np.shape(cache.v))}: expected one "
+            "[L, B, C, KVH, D] shape (init_context_cache builds it)"
+        )
+
+
+def _check_cache_fits(cfg: DraftConfig, cache: ContextCache) -> None:
+    """Raises ``ValueError`` unless the cache's ``L``, ``KVH`` and ``D`` are the draft's."""
+    layers, _, _, heads, dim = cache.k.shape
+    want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if (layers, heads, dim) != want:
+        raise ValueError(
+            f"cache has L={layers} layers, KVH={heads} heads of D={dim}: this draft needs L={want[0]}, KVH={want[1]}, "
+            f"D={want[2]} (a cache built for another draft config; init_context_cache(draft.cfg, …) builds one)"
+        )
 
 
 def _check_rows(cache: ContextCache, rows: dict[str, Any], masks: dict[str, Any] | None = None) -> None:
@@ -229,6 +260,7 @@ def _check_kv(cache: ContextCache, k: Any, v: Any) -> None:
             )
     if np.shape(k) != np.shape(v):
         raise ValueError(f"k has shape {tuple(np.shape(k))} and v {tuple(np.shape(v))}: expected the same shape")
+    check_dtypes({"k": (k, jnp.floating), "v": (v, jnp.floating)})  # written into a floating cache
 
 
 def commit(

@@ -23,6 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.config import check_flag
 from dspark_jax.draft import check_draft
 from dspark_jax.train import block_acceptance, map_heldout_blocks
 
@@ -148,6 +149,7 @@ def fit_sts_temperature(
       TypeError: ``draft`` is not a :class:`~dspark_jax.draft.DSparkDraft`.
     """
     check_draft(draft)
+    check_flag("apply", apply)
     if draft.confidence_head is None:
         raise ValueError("the draft has no confidence head (enable_confidence_head=False): nothing to calibrate")
     if labels not in CALIBRATION_LABELS:

@@ -64,6 +64,18 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def check_seed(name: str, value: Any) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer (not a bool) in ``[0, 2³² − 1]``, the
+    seeds NumPy's generators and ``jax.random.key`` both take.
+
+    Raises:
+      ValueError: ``value`` is anything else (the message names ``name``).
+    """
+    if not is_integer(value) or not 0 <= value <= 2**32 - 1:
+        _fail(name, value, "must be an integer in [0, 2**32 - 1]")
+    return int(value)
+
+
 def normalise_numbers(cfg: Any) -> None:
     """Turns NumPy scalars in a config's ``int`` and ``float`` fields into Python numbers.
 

@@ -331,3 +331,19 @@ def check_draft(draft: Any) -> None:
     would fail later on a missing attribute)."""
     if not isinstance(draft, DSparkDraft):
         raise TypeError(f"draft must be a DSparkDraft, got {type(draft).__name__}")
+
+
+def check_models(target: Any, *draft: Any) -> None:
+    """Raises ``TypeError`` unless ``target`` is an NNX target and the ``draft``, when one
+    is passed, a :class:`DSparkDraft`, naming a swapped pair as such."""
+    if isinstance(target, DSparkDraft):
+        swapped = " (the target and the draft are swapped: the target comes first)" if draft else ""
+        raise TypeError(f"target must be a target model, got a DSparkDraft{swapped}")
+    if not (
+        isinstance(target, nnx.Module) and hasattr(target, "config") and callable(getattr(target, "init_cache", None))
+    ):
+        raise TypeError(
+            f"target must be an NNX module with config and init_cache (dspark_jax.Target), got {type(target).__name__}"
+        )
+    if draft:
+        check_draft(draft[0])

@@ -22,7 +22,7 @@ import numpy as np
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.cli import SEED_MAX, check_checkpoint, check_output_file, loading, number_flag
-from dspark_jax.config import positive_int
+from dspark_jax.config import check_seed, positive_int
 from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE
 
 
@@ -73,6 +73,7 @@ def measure_tau(
     """
     from dspark_jax.generation import speculative_generate
 
+    check_seed("seed", seed)
     result = speculative_generate(
         target,
         draft,
@@ -102,7 +103,25 @@ def compare_drafts(
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
 ) -> dict[str, dict[float, dict[str, Any]]]:
-    """:func:`measure_tau` for every draft and temperature: ``results[name][temperature]``."""
+    """:func:`measure_tau` for every draft and temperature: ``results[name][temperature]``.
+
+    Raises:
+      TypeError: ``drafts`` is not a dict of names to drafts, or ``temperatures`` not a
+        sequence of numbers.
+      ValueError: no draft, no temperature, or a temperature given twice (its results
+        would be merged); and as :func:`measure_tau`.
+    """
+    if not isinstance(drafts, dict):
+        raise TypeError(f"drafts must be a dict of names to drafts, got {type(drafts).__name__}")
+    if not drafts:
+        raise ValueError("drafts={} is invalid: give at least one draft to measure")
+    if isinstance(temperatures, (str, bytes)) or not isinstance(temperatures, Sequence):
+        raise TypeError(f"temperatures={temperatures!r} is invalid: expected a sequence of numbers, e.g. (0.0, 1.0)")
+    if not temperatures:
+        raise ValueError("temperatures=() is invalid: give at least one temperature")
+    repeated = sorted({t for t in temperatures if list(temperatures).count(t) > 1})
+    if repeated:
+        raise ValueError(f"temperatures={tuple(temperatures)!r} is invalid: {repeated} given more than once")
     return {
         name: {
             t: measure_tau(

@@ -46,8 +46,8 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
-from dspark_jax.config import check_flag, is_integer, is_real, positive_int
-from dspark_jax.draft import DSparkDraft, check_draft
+from dspark_jax.config import check_flag, check_seed, is_integer, is_real, positive_int
+from dspark_jax.draft import DSparkDraft, check_models
 from dspark_jax.proposal import propose_with
 from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
 from dspark_jax.target import Target, check_pair
@@ -215,6 +215,8 @@ def _requests(
     batch = len(prompts)
     rows = []
     for b, prompt in enumerate(prompts):
+        if isinstance(prompt, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in prompt):
+            raise TypeError(f"prompts[{b}] holds a bool: expected integer token ids (NumPy would read True as 1)")
         try:
             ids = np.asarray(prompt)
         except ValueError:  # ragged nesting
@@ -254,7 +256,8 @@ def _requests(
         if not is_real(p) or not 0 < p <= 1:
             raise _invalid(f"top_p[{b}]", p, "must be a number in (0, 1]", right_kind=is_real(p))
     stops = _stop_lists(stop_tokens, batch, vocab_size)
-    stop = np.full((batch, max(1, max(len(s) for s in stops))), -1, np.int32)
+    # [B, S]: S rounded up so that stop lists of other lengths share the compiled programs
+    stop = np.full((batch, _bucket(max(1, max(len(s) for s in stops)), 8)), -1, np.int32)
     for b, s in enumerate(stops):
         stop[b, : len(s)] = s
     requests = Requests(
@@ -322,22 +325,6 @@ def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, lookahead
             + (" + gamma - 1, the positions the last round verifies past the output)" if lookahead else ")")
         )
     return int(capacity)
-
-
-def _check_models(target: Any, *draft: Any) -> None:
-    """Raises ``TypeError`` unless ``target`` is an NNX target and the ``draft``, when one
-    is passed, a :class:`DSparkDraft`, naming a swapped pair as such."""
-    if isinstance(target, DSparkDraft):
-        swapped = " (the target and the draft are swapped: the target comes first)" if draft else ""
-        raise TypeError(f"target must be a target model, got a DSparkDraft{swapped}")
-    if not (
-        isinstance(target, nnx.Module) and hasattr(target, "config") and callable(getattr(target, "init_cache", None))
-    ):
-        raise TypeError(
-            f"target must be an NNX module with config and init_cache (dspark_jax.Target), got {type(target).__name__}"
-        )
-    if draft:
-        check_draft(draft[0])
 
 
 def _check_confidence_head(cfg) -> None:
@@ -608,7 +595,12 @@ def _round_step(
 
 def verify_widths(tokens: int) -> tuple[int, ...]:
     """The target widths a scheduled round compiles: ``1, 2, 4, …`` below ``tokens``, then
-    ``tokens`` (= γ + 1); a round runs the narrowest that holds its longest verify length."""
+    ``tokens`` (= γ + 1); a round runs the narrowest that holds its longest verify length.
+
+    Raises:
+      ValueError: ``tokens`` is not an integer >= 1.
+    """
+    tokens = positive_int("tokens", tokens)
     return (*(1 << i for i in range(max(tokens - 1, 0).bit_length()) if 1 << i < tokens), tokens)
 
 
@@ -826,7 +818,7 @@ def speculative_generate(
         ``verify_schedule``.
     """
     started = time.perf_counter()
-    _check_models(target, draft)
+    check_models(target, draft)
     check_pair(draft.cfg, target.config)
     gamma = draft.cfg.gamma
     tokens, lengths, requests = _requests(
@@ -901,7 +893,7 @@ def measure_verify_schedule(
       ValueError: a count below 1, a bad temperature, a draft without a confidence head,
         or positions past either model's ``max_position_embeddings``.
     """
-    _check_models(target, draft)
+    check_models(target, draft)
     check_pair(draft.cfg, target.config)
     batch, prompt_len, rounds = (
         positive_int(n, v) for n, v in [("batch", batch), ("prompt_len", prompt_len), ("rounds", rounds)]
@@ -910,7 +902,7 @@ def measure_verify_schedule(
     widths = verify_widths(gamma + 1)
     size = batch * (gamma + 1) + 1
     _check_confidence_head(draft.cfg)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed("seed", seed))
     prompts = rng.integers(0, target.config.vocab_size, (batch, prompt_len)).tolist()
     # Each width decodes afresh from the prompts; a round commits 1 … γ + 1 tokens per
     # request, so none finishes before its last timed round.
@@ -1095,7 +1087,7 @@ def generate(
         max_new_tokens must not exceed the target's ``max_position_embeddings``.
     """
     started = time.perf_counter()
-    _check_models(target)
+    check_models(target)
     tokens, lengths, requests = _requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )

@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from dspark_jax.config import DraftConfig
 
 
 class MarkovHead(nnx.Module):
@@ -168,7 +171,13 @@ MARKOV_HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": R
 
 
 def make_markov_head(cfg, *, rngs: nnx.Rngs) -> MarkovHead | None:
-    """The head ``cfg`` asks for, or ``None`` when ``markov_rank == 0``."""
+    """The head ``cfg`` asks for, or ``None`` when ``markov_rank == 0``.
+
+    Raises:
+      TypeError: ``cfg`` is not a :class:`~dspark_jax.config.DraftConfig`.
+    """
+    if not isinstance(cfg, DraftConfig):
+        raise TypeError(f"cfg must be a DraftConfig, got {type(cfg).__name__}")
     if cfg.markov_rank == 0:
         return None
     return MARKOV_HEADS[cfg.markov_head_type](cfg, rngs=rngs)
@@ -199,7 +208,16 @@ def markov_walk(
 
     Returns:
       ``(tokens [B, γ] int32, corrected [B, γ, V] keep_dtype)``.
+
+    Raises:
+      TypeError: ``head`` is not a Markov head or None, ``bonus`` not of an integer dtype,
+        ``base_logits`` or ``hidden`` not of a floating one, or ``keep_dtype`` not a
+        floating dtype.
+      ValueError: the shapes disagree (``base_logits [B, γ, V]`` with the head's ``V``,
+        ``hidden [B, γ, H]``, ``bonus [B]``), or a concrete ``bonus`` lies outside ``[0, V)``
+        (the walk's lookup would clip it silently).
     """
+    _check_walk_inputs(head, base_logits, hidden, bonus, keep_dtype)
     batch = base_logits.shape[0]
     if head is None:
         logits = base_logits.astype(jnp.float32)
@@ -224,3 +242,38 @@ def markov_walk(
         unroll=True,
     )
     return tokens.swapaxes(0, 1), corrected.swapaxes(0, 1)
+
+
+def _check_walk_inputs(head, base_logits, hidden, bonus, keep_dtype) -> None:
+    """The checks of :func:`markov_walk` (static, and ``bonus``'s range when concrete)."""
+    if head is not None and not isinstance(head, MarkovHead):
+        raise TypeError(f"head must be a MarkovHead or None, got {type(head).__name__}")
+    shapes = {name: tuple(np.shape(x)) for name, x in (("base_logits", base_logits), ("hidden", hidden))}
+    if any(len(shape) != 3 for shape in shapes.values()) or shapes["base_logits"][:2] != shapes["hidden"][:2]:
+        raise ValueError(
+            f"base_logits has shape {shapes['base_logits']} and hidden {shapes['hidden']}: expected [B, γ, V] and "
+            "[B, γ, H] of one B and γ"
+        )
+    batch, _, vocab = shapes["base_logits"]
+    if head is not None and vocab != head.markov_w2.shape[0]:
+        raise ValueError(f"base_logits has V={vocab}: the Markov head's tables have {head.markov_w2.shape[0]} rows (V)")
+    if tuple(np.shape(bonus)) != (batch,):
+        raise ValueError(f"bonus has shape {tuple(np.shape(bonus))}: expected [B] = ({batch},)")
+    for name, value, kind in (
+        ("base_logits", base_logits, jnp.floating),
+        ("hidden", hidden, jnp.floating),
+        ("bonus", bonus, jnp.integer),
+    ):
+        if not hasattr(value, "dtype"):
+            raise TypeError(f"{name} is a {type(value).__name__}: expected an array")
+        if not jnp.issubdtype(value.dtype, kind):
+            kind_name = "an integer" if kind is jnp.integer else "a floating"
+            raise TypeError(f"{name} has dtype {value.dtype}: expected {kind_name} dtype")
+    if not jnp.issubdtype(jnp.dtype(keep_dtype), jnp.floating):
+        raise TypeError(f"keep_dtype={keep_dtype!r} is invalid: must be a floating dtype")
+    if not isinstance(bonus, jax.core.Tracer):
+        ids = np.asarray(bonus)
+        outside = (ids < 0) | (ids >= vocab)
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise ValueError(f"bonus[{i}]={int(ids[i])} is outside the vocabulary: 0 <= id < {vocab}")

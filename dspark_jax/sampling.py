@@ -238,7 +238,15 @@ def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
     The host entry points refuse a negative or NaN temperature; the jittable ones do not check
     values, and there a NaN row takes the argmax rather than racing on ``x · (1/NaN)`` (every
     score NaN: token 0 in every slot).
+
+    Raises:
+      ValueError: ``temperatures`` and ``top_k`` are not ``[B]`` of one ``B`` (static).
     """
+    if np.ndim(temperatures) != 1 or np.shape(top_k) != np.shape(temperatures):
+        raise ValueError(
+            f"temperatures has shape {tuple(np.shape(temperatures))} and top_k {tuple(np.shape(top_k))}: expected [B] "
+            "each, one entry per row (a [1] or [B, 1] would broadcast over the rows)"
+        )
     return (jnp.asarray(top_k) <= 1) | ~(jnp.asarray(temperatures) > 0)
 
 
@@ -565,14 +573,21 @@ def sample_step(
       ValueError: ``logits`` is not ``[B, V]``, or ``temperatures`` or ``greedy_mask`` not ``[B]``
         (checked while tracing; a ``[1]`` would otherwise broadcast over the rows unnoticed).
       TypeError: ``greedy_mask`` is not bool (a float or integer array, temperatures passed by
-        mistake say, would pick the greedy rows by being nonzero).
+        mistake say, would pick the greedy rows by being nonzero), or ``temperatures`` or
+        ``logits`` not of a floating dtype (a bool ``True`` would be read as T = 1).
     """
-    if np.ndim(logits) != 2 or np.shape(logits)[1] < 1:
-        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V] with V >= 1")
+    if np.ndim(logits) != 2 or np.shape(logits)[0] < 1 or np.shape(logits)[1] < 1:
+        raise ValueError(f"logits has shape {np.shape(logits)}: expected [B, V] with B, V >= 1")
     for name, value in (("temperatures", temperatures), ("greedy_mask", greedy_mask)):
         if tuple(np.shape(value)) != np.shape(logits)[:1]:
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected [B] = {np.shape(logits)[:1]}")
-    check_dtypes({"greedy_mask": (greedy_mask, jnp.bool_)})
+    check_dtypes(
+        {
+            "greedy_mask": (greedy_mask, jnp.bool_),
+            "temperatures": (temperatures, jnp.floating),
+            "logits": (logits, jnp.floating),
+        }
+    )
     logits = logits.astype(jnp.float32)  # [B, V]
     batch, vocab = logits.shape
     width = race_width(vocab)

@@ -363,6 +363,10 @@ class SplitRound:
         Returns:
           The :class:`~dspark_jax.proposal.DraftBlock`.
         """
+        # compiled programs take arrays of exactly the signature they were compiled for; lists too
+        args = (bonus, prefix_lens, slots, temperatures, top_k, key)
+        args = [a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in args]
+        bonus, prefix_lens, slots, temperatures, top_k, key = args
         if not self.twin_programs:
             check_shapes(
                 self.cfg, cache, bonus, prefix_lens, temperatures, top_k, key, slots=slots, fold_sampling=fold_sampling
@@ -372,10 +376,6 @@ class SplitRound:
             for start, stop in self.ranges:
                 x = backbone(self.leaves, x, cache, bonus, prefix_lens, slots, start=start, stop=stop)
             return self._head(self.leaves, x, bonus, temperatures, top_k, key, fold_sampling=fold_sampling)
-        # compiled programs take arrays of exactly the signature they were compiled for
-        args = (bonus, prefix_lens, slots, temperatures, top_k, key)
-        args = [a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in args]
-        bonus, prefix_lens, slots, temperatures, top_k, key = args
         sig = _signature((cache, bonus, prefix_lens, slots, temperatures, top_k, key))
         pieces, head = self._pieces.get(sig), self._heads.get((sig, fold_sampling))
         if pieces is None or head is None:

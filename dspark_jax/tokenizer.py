@@ -9,19 +9,24 @@ UTF-8 cannot encode) round-trips: ``decode(encode(s)) == s``.
 The file follows the ``tokenizers`` JSON layout (``model.type = "BPE"``, ``vocab``,
 ``merges``; a ``Split`` pre-tokenizer with the same pattern followed by ``ByteLevel``;
 a ``ByteLevel`` decoder; special tokens in ``added_tokens``), so the Hugging Face
-library loads it too.
+library loads it too. :func:`load_tokenizer` also reads the Qwen2 / Qwen3 files (an NFC
+normalizer and their own split pattern, matched the way the Hugging Face library matches
+it) and refuses any other setting whose behaviour it does not reproduce.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import json
 import operator
 import os
 import re
-from collections.abc import Container, Iterable, Sequence
+import reprlib
+import unicodedata
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -32,6 +37,50 @@ DEFAULT_SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)
 # leaves its last space to the word after it, so indentation splits as "\n   " + " def".
 WORD_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"""
 _WORD_RE = re.compile(WORD_PATTERN)
+# The split pattern of the Qwen2 / Qwen3 tokenizer.json files, in the Oniguruma syntax of the
+# Hugging Face library (``\p{L}`` letters, ``\p{N}`` numbers): see _split_regex.
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SPLIT_PATTERNS = (WORD_PATTERN, QWEN_PATTERN)
+NORMALIZERS = (None, "NFC")
+
+
+def _class_body(keep) -> str:
+    """A ``re`` character-class body (``\\U`` ranges) of the code points ``keep(char)`` accepts."""
+    ranges, start = [], None
+    for c in range(0x110001):
+        inside = c < 0x110000 and keep(chr(c))
+        if inside and start is None:
+            start = c
+        elif not inside and start is not None:
+            ranges.append(f"\\U{start:08x}-\\U{c - 1:08x}")
+            start = None
+    return "".join(ranges)
+
+
+@functools.cache
+def _split_regex(pattern: str) -> re.Pattern:
+    """``pattern`` (one of SPLIT_PATTERNS) compiled for Python's ``re``.
+
+    ``re`` has no ``\\p{..}`` and its ``\\s`` also takes U+001C..U+001F, which Oniguruma's does
+    not: the Qwen pattern gets explicit classes of the Unicode general categories instead.
+    """
+    if pattern == WORD_PATTERN:
+        return _WORD_RE
+    letter = _class_body(lambda ch: unicodedata.category(ch).startswith("L"))
+    number = _class_body(lambda ch: unicodedata.category(ch).startswith("N"))
+    space = "\t\n\x0b\x0c\r\x85" + _class_body(lambda ch: unicodedata.category(ch) in ("Zs", "Zl", "Zp"))
+    translated = (
+        pattern.replace(r"[^\r\n\p{L}\p{N}]", rf"[^\r\n{letter}{number}]")
+        .replace(r"[^\s\p{L}\p{N}]", f"[^{space}{letter}{number}]")
+        .replace(r"\p{L}", f"[{letter}]")
+        .replace(r"\p{N}", f"[{number}]")
+        .replace(r"\S", f"[^{space}]")
+        .replace(r"\s", f"[{space}]")
+    )
+    return re.compile(translated)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -87,7 +136,15 @@ def _check_special_tokens(special_tokens: object) -> tuple[str, ...]:
 class Tokenizer:
     """Byte-level BPE: ``encode(str) -> list[int]``, ``decode(ids) -> str``."""
 
-    def __init__(self, vocab: dict[str, int], merges: Sequence[tuple[str, str]], special_tokens: Sequence[str]):
+    def __init__(
+        self,
+        vocab: dict[str, int],
+        merges: Sequence[tuple[str, str]],
+        special_tokens: Sequence[str],
+        *,
+        pattern: str = WORD_PATTERN,
+        normalizer: str | None = None,
+    ):
         """Builds the tokenizer.
 
         Args:
@@ -96,14 +153,38 @@ class Tokenizer:
             concatenation is in ``vocab`` too.
           special_tokens: distinct non-empty strings encoded as one id each wherever they
             appear in text.
+          pattern: the regular expression that splits text into words, one of
+            ``SPLIT_PATTERNS``: ``WORD_PATTERN`` (what :func:`train_bpe` uses) or
+            ``QWEN_PATTERN`` (the Qwen2 / Qwen3 tokenizers').
+          normalizer: ``None`` or ``"NFC"`` (Unicode composition of the text outside special
+            tokens, before it is split, as the Qwen tokenizers do).
 
         Raises:
-          TypeError: a token or special token is not a str, or an id not an integer.
+          TypeError: ``vocab`` is not a dict, ``merges`` not a list of pairs, a token or
+            special token not a str, or an id not an integer.
           ValueError: an id is negative, two tokens share an id, a special token is empty,
-            repeated or not in ``vocab``, ``vocab`` lacks a byte symbol, or a merge is not a
-            pair of tokens of ``vocab`` whose result is in ``vocab``.
+            repeated or not in ``vocab``, ``vocab`` lacks a byte symbol, a merge is not a
+            pair of tokens of ``vocab`` whose result is in ``vocab``, or ``pattern`` or
+            ``normalizer`` is not one of those above.
         """
         special_tokens = _check_special_tokens(special_tokens)
+        if not isinstance(vocab, Mapping):
+            raise TypeError(f"vocab={reprlib.repr(vocab)} is invalid: must be a dict mapping each token str to its id")
+        if isinstance(merges, (str, bytes)) or not isinstance(merges, Iterable):
+            raise TypeError(
+                f"merges={reprlib.repr(merges)} is invalid: must be a list of (token, token) pairs in priority order"
+            )
+        merges = list(merges)
+        for j, m in enumerate(merges):
+            if not isinstance(m, (tuple, list)):
+                raise TypeError(f"merges[{j}]={m!r} is invalid: a merge must be a pair (token, token) of str")
+        if pattern not in SPLIT_PATTERNS:
+            raise ValueError(
+                f"pattern={reprlib.repr(pattern)} is not supported: must be WORD_PATTERN {WORD_PATTERN!r} or "
+                f"QWEN_PATTERN {QWEN_PATTERN!r}"
+            )
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"normalizer={normalizer!r} is not supported: must be None or 'NFC'")
         for token, i in vocab.items():
             if not isinstance(token, str):
                 raise TypeError(f"vocab holds the token {token!r}: tokens must be str")
@@ -134,6 +215,9 @@ class Tokenizer:
         self.merges = [tuple(m) for m in merges]
         self.ranks = {m: i for i, m in enumerate(self.merges)}
         self.special_tokens = special_tokens
+        self.pattern = pattern
+        self.normalizer = normalizer
+        self._word_re = _split_regex(pattern)
         self._special_re = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True)) + ")")
             if special_tokens
@@ -206,7 +290,9 @@ class Tokenizer:
                 if j % 2 == 1:  # a captured special token
                     out.append(self.vocab[piece])
                     continue
-                for word in _WORD_RE.findall(piece):
+                if self.normalizer == "NFC":
+                    piece = unicodedata.normalize("NFC", piece)
+                for word in self._word_re.findall(piece):
                     out.extend(self._encode_word(word))
         except UnicodeEncodeError:
             at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
@@ -228,6 +314,11 @@ class Tokenizer:
             except TypeError:
                 raise TypeError(f"ids[{j}]={i!r} is invalid: token ids must be integers") from None
             token = self.id_to_token.get(k)
+            if token is None and 0 <= k < self.vocab_size:
+                raise ValueError(
+                    f"ids[{j}]={k} is an unused id: no token is assigned to it (the vocabulary's ids 0.."
+                    f"{self.vocab_size - 1} have gaps)"
+                )
             if token is None:
                 raise ValueError(f"ids[{j}]={k} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
             if token in self.special_tokens:
@@ -258,11 +349,11 @@ class Tokenizer:
                 }
                 for t in self.special_tokens
             ],
-            "normalizer": None,
+            "normalizer": {"type": self.normalizer} if self.normalizer else None,
             "pre_tokenizer": {
                 "type": "Sequence",
                 "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": WORD_PATTERN}, "behavior": "Isolated", "invert": False},
+                    {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
                     {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
                 ],
             },
@@ -294,40 +385,147 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Reads a byte-level BPE ``tokenizer.json`` (the file, or a folder holding it)."""
+    """Reads a byte-level BPE ``tokenizer.json`` (the file, or a folder holding it).
+
+    Reads what :meth:`Tokenizer.save` writes and the Qwen2 / Qwen3 files; a setting whose
+    behaviour :meth:`Tokenizer.encode` or :meth:`Tokenizer.decode` would not reproduce (BPE
+    dropout, another normalizer or pre-tokenizer, subword prefixes or suffixes, ...) is
+    refused rather than ignored.
+
+    Raises:
+      TypeError, ValueError: the file is missing, not UTF-8 JSON, malformed, or holds a setting
+        that is not supported, named with the file's path and the field.
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer path {path!r} does not exist: expected a tokenizer.json or its folder")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
-    model = data.get("model", {}) if isinstance(data, dict) else {}
-    if model.get("type") != "BPE":
-        raise ValueError(f"{path}: model.type={model.get('type')!r} is not supported: only 'BPE'")
-    for field in ("vocab", "merges"):
-        if field not in model:
-            raise ValueError(
-                f"{path}: model.{field} is missing: a BPE tokenizer.json needs model.vocab and model.merges"
-            )
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    vocab = dict(model["vocab"])
-    specials = []
     try:
-        for j, tok in enumerate(data.get("added_tokens", [])):
-            if not isinstance(tok, dict) or "content" not in tok or "id" not in tok:
-                raise ValueError(f"added_tokens[{j}]={tok!r} is invalid: must have 'content' and 'id'")
-            if not isinstance(tok["content"], str):
-                raise TypeError(f"added_tokens[{j}].content={tok['content']!r} is invalid: must be a str")
-            _check_id(f"added_tokens[{j}].id", tok["id"])
-            vocab[tok["content"]] = tok["id"]
-            specials.append(tok["content"])
-        return Tokenizer(vocab, merges, specials)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {err.start}: {err.reason}): a tokenizer.json is UTF-8 JSON"
+        ) from None
+    try:
+        return _tokenizer_from_json(data)
     except (TypeError, ValueError) as err:
         raise type(err)(f"{path}: {err}") from None
+
+
+def _check_setting(field: str, value: object, allowed: tuple, what: str) -> None:
+    """Raises ``ValueError`` unless ``value`` is one of ``allowed`` (same type and value: 0 is not False)."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(
+            f"{field}={reprlib.repr(value)} is not supported: {what} (allowed: {', '.join(map(repr, allowed))})"
+        )
+
+
+def _check_object(field: str, value: object, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}={reprlib.repr(value)} is not supported: {what}")
+    return value
+
+
+_PRE_TOKENIZER = (
+    "the pre-tokenizer must be a Sequence of a Split on WORD_PATTERN (what Tokenizer.save writes) or on "
+    "the Qwen2 / Qwen3 pattern, behavior 'Isolated', not inverted, then a ByteLevel without add_prefix_space "
+    "or use_regex"
+)
+
+
+def _settings(data: dict, model: dict) -> tuple[str, str | None]:
+    """The split pattern and normalizer of a ``tokenizer.json``, or a ValueError naming the first
+    setting (field, value, what is allowed) that :class:`Tokenizer` does not reproduce."""
+    for field in ("truncation", "padding"):
+        _check_setting(field, data.get(field), (None,), "encode neither truncates nor pads")
+    normalizer = data.get("normalizer")
+    if normalizer is not None:
+        normalizer = _check_object("normalizer", normalizer, "must be null or {'type': 'NFC'}")
+        _check_setting("normalizer.type", normalizer.get("type"), ("NFC",), "the only normalizer is NFC")
+        normalizer = "NFC"
+    pre = _check_object("pre_tokenizer", data.get("pre_tokenizer"), _PRE_TOKENIZER)
+    _check_setting("pre_tokenizer.type", pre.get("type"), ("Sequence",), _PRE_TOKENIZER)
+    steps = pre.get("pretokenizers")
+    if not isinstance(steps, list) or len(steps) != 2:
+        raise ValueError(f"pre_tokenizer.pretokenizers={reprlib.repr(steps)} is not supported: {_PRE_TOKENIZER}")
+    split = _check_object("pre_tokenizer.pretokenizers[0]", steps[0], _PRE_TOKENIZER)
+    byte_level = _check_object("pre_tokenizer.pretokenizers[1]", steps[1], _PRE_TOKENIZER)
+    for field, value, allowed in (
+        ("[0].type", split.get("type"), ("Split",)),
+        ("[0].behavior", split.get("behavior"), ("Isolated",)),
+        ("[0].invert", split.get("invert"), (False,)),
+        ("[1].type", byte_level.get("type"), ("ByteLevel",)),
+        ("[1].add_prefix_space", byte_level.get("add_prefix_space"), (False,)),
+        ("[1].use_regex", byte_level.get("use_regex"), (False,)),
+    ):
+        _check_setting("pre_tokenizer.pretokenizers" + field, value, allowed, _PRE_TOKENIZER)
+    regex = _check_object("pre_tokenizer.pretokenizers[0].pattern", split.get("pattern"), _PRE_TOKENIZER)
+    pattern = regex.get("Regex")
+    _check_setting("pre_tokenizer.pretokenizers[0].pattern.Regex", pattern, SPLIT_PATTERNS, _PRE_TOKENIZER)
+    post = data.get("post_processor")
+    if post is not None:
+        post = _check_object("post_processor", post, "must be null or ByteLevel (encode adds no tokens)")
+        _check_setting("post_processor.type", post.get("type"), ("ByteLevel",), "encode adds no tokens")
+    decoder = _check_object("decoder", data.get("decoder"), "the decoder must be ByteLevel")
+    _check_setting("decoder.type", decoder.get("type"), ("ByteLevel",), "the decoder must be ByteLevel")
+    _check_setting("model.dropout", model.get("dropout"), (None,), "BPE dropout is not implemented")
+    for field in ("continuing_subword_prefix", "end_of_word_suffix"):
+        _check_setting(f"model.{field}", model.get(field), (None, ""), "byte-level BPE tokens carry no affixes")
+    _check_setting("model.ignore_merges", model.get("ignore_merges", False), (False,), "merges always apply")
+    return pattern, normalizer
+
+
+def _tokenizer_from_json(data: object) -> Tokenizer:
+    """The :class:`Tokenizer` of a parsed ``tokenizer.json`` (errors name the field, not the file)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"the file holds {reprlib.repr(data)}, not a JSON object with 'model' and 'added_tokens'")
+    model = data.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"model={reprlib.repr(model)} is invalid: must be an object with type 'BPE', vocab and merges")
+    if model.get("type") != "BPE":
+        raise ValueError(f"model.type={model.get('type')!r} is not supported: only 'BPE'")
+    for field in ("vocab", "merges"):
+        if field not in model:
+            raise ValueError(f"model.{field} is missing: a BPE tokenizer.json needs model.vocab and model.merges")
+    if not isinstance(model["vocab"], dict):
+        raise TypeError(
+            f"model.vocab={reprlib.repr(model['vocab'])} is invalid: must be an object mapping each token to its id"
+        )
+    if not isinstance(model["merges"], list):
+        raise TypeError(
+            f"model.merges={reprlib.repr(model['merges'])} is invalid: must be a list of merges, each 'a b' or "
+            "['a', 'b']"
+        )
+    merges = []
+    for j, m in enumerate(model["merges"]):
+        if not isinstance(m, (str, list)):
+            raise TypeError(f"model.merges[{j}]={m!r} is invalid: a merge must be a string 'a b' or a list ['a', 'b']")
+        merges.append(tuple(m.split(" ")) if isinstance(m, str) else tuple(m))
+    pattern, normalizer = _settings(data, model)
+    vocab = dict(model["vocab"])
+    added = data.get("added_tokens", [])
+    if not isinstance(added, list):
+        raise TypeError(
+            f"added_tokens={reprlib.repr(added)} is invalid: must be a list of objects with 'content' and 'id'"
+        )
+    specials = []
+    for j, tok in enumerate(added):
+        if not isinstance(tok, dict) or "content" not in tok or "id" not in tok:
+            raise ValueError(f"added_tokens[{j}]={tok!r} is invalid: must have 'content' and 'id'")
+        if not isinstance(tok["content"], str):
+            raise TypeError(f"added_tokens[{j}].content={tok['content']!r} is invalid: must be a str")
+        _check_id(f"added_tokens[{j}].id", tok["id"])
+        for flag in ("single_word", "lstrip", "rstrip"):
+            _check_setting(
+                f"added_tokens[{j}].{flag}", tok.get(flag, False), (False,), "added tokens match their exact text"
+            )
+        vocab[tok["content"]] = tok["id"]
+        specials.append(tok["content"])
+    return Tokenizer(vocab, merges, specials, pattern=pattern, normalizer=normalizer)
 
 
 def train_bpe(

@@ -47,12 +47,15 @@ from dspark_jax.cli import SEED_MAX, add_save_dtype, check_checkpoint, loading, 
 from dspark_jax.config import (
     DraftConfig,
     TargetConfig,
+    check_flag,
+    check_seed,
     is_integer,
     is_real,
     normalise_numbers,
     positive_int,
     read_json_file,
 )
+from dspark_jax.draft import check_models
 
 CHECKPOINT_ARRAYS = "train_state.npz"
 CHECKPOINT_META = "train_state.json"
@@ -636,11 +639,38 @@ class DraftTrainConfig:
             )
 
 
+TARGET_CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def check_target_config(target_cfg: Any) -> None:
+    """Raises ``TypeError`` unless ``target_cfg`` is a target's config (a
+    :class:`~dspark_jax.config.TargetConfig`, or any config with its shape fields)."""
+    if isinstance(target_cfg, DraftConfig) or not all(hasattr(target_cfg, f) for f in TARGET_CONFIG_FIELDS):
+        raise TypeError(f"target_cfg must be a target's config (a TargetConfig), got {type(target_cfg).__name__}")
+
+
 def check_draft_fits(
     draft_cfg: DraftConfig, target_cfg: TargetConfig, seq_len: int, *, anchors_per_seq: int = 1
 ) -> None:
     """Raises ``ValueError`` unless the draft can train on this target with ``seq_len``-token
-    sequences holding ``anchors_per_seq`` distinct anchors each (at most :func:`anchor_positions`)."""
+    sequences holding ``anchors_per_seq`` distinct anchors each (at most :func:`anchor_positions`).
+
+    Raises:
+      TypeError: a config of the wrong kind.
+    """
+    if not isinstance(draft_cfg, DraftConfig):
+        raise TypeError(f"draft_cfg must be a DraftConfig, got {type(draft_cfg).__name__}")
+    check_target_config(target_cfg)
+    positive_int("anchors_per_seq", anchors_per_seq)
     if draft_cfg.hidden_size != target_cfg.hidden_size:
         raise ValueError(
             f"draft hidden_size={draft_cfg.hidden_size} does not fit the target: must equal the target's "
@@ -660,7 +690,9 @@ def check_draft_fits(
             f"vocab_size={target_cfg.vocab_size}"
         )
     need = draft_cfg.num_query_rows + 2
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < need:
+    if not is_integer(seq_len):
+        raise ValueError(f"seq_len={seq_len!r} is invalid: must be an integer")
+    if seq_len < need:
         raise ValueError(
             f"seq_len={seq_len!r} is shorter than a block: need at least {need} tokens "
             f"(a context token, the {draft_cfg.num_query_rows} block rows and the last row's target)"
@@ -791,7 +823,13 @@ def draft_blocks(draft, target, tokens: jax.Array, anchors: jax.Array) -> dict[s
 def draft_loss(
     draft, target, tokens: jax.Array, anchors: jax.Array, tcfg: DraftTrainConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The weighted DeepSpec loss of one batch and its mean terms (see the module docstring)."""
+    """The weighted DeepSpec loss of one batch and its mean terms (see the module docstring).
+
+    Raises:
+      TypeError: ``tcfg`` is not a :class:`DraftTrainConfig`.
+    """
+    if not isinstance(tcfg, DraftTrainConfig):
+        raise TypeError(f"tcfg must be a DraftTrainConfig, got {type(tcfg).__name__}")
     blocks = draft_blocks(draft, target, tokens, anchors)
     terms = block_loss_terms(
         blocks["corrected"], blocks["target_logits"], blocks["gold"], blocks.get("confidence_logits")
@@ -881,6 +919,7 @@ def heldout_windows(
         stream.
     """
     positive_int("batches", batches), positive_int("batch_size", batch_size)
+    check_seed("seed", seed)
     rows = draft_cfg.num_query_rows
     if not is_integer(seq_len) or seq_len < rows + 2:  # room for one anchor and its block of query rows
         raise ValueError(
@@ -912,6 +951,7 @@ def map_heldout_blocks(
     Raises:
       ValueError: as :func:`heldout_windows`.
     """
+    check_models(target, draft)
     windows = heldout_windows(
         draft.cfg, target.config, tokens, batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed
     )
@@ -985,14 +1025,24 @@ def distillation_data(
       ``[count, seq_len]`` int32.
 
     Raises:
-      ValueError: ``count`` or ``batch`` below 1, ``prompt_len`` outside 1..seq_len-1, or a
-        bad token stream.
+      TypeError: ``target`` is not a target model.
+      ValueError: ``count`` or ``batch`` below 1, a ``seq_len`` past the target's positions,
+        ``prompt_len`` outside 1..seq_len-1, a ``seed`` outside ``[0, 2³² − 1]``, or a bad
+        token stream.
     """
     from dspark_jax.generation import generate
 
+    check_models(target)
     positive_int("count", count), positive_int("batch", batch)
-    if not 0 < prompt_len < seq_len:
-        raise ValueError(f"prompt_len={prompt_len!r} is invalid: must lie in 1..seq_len-1={seq_len - 1}")
+    check_seed("seed", seed)
+    limit = target.config.max_position_embeddings
+    if not is_integer(seq_len) or not 2 <= seq_len <= limit:
+        raise ValueError(
+            f"seq_len={seq_len!r} is invalid: must be an integer in [2, {limit}] (the target's "
+            "max_position_embeddings: it writes every position of a sequence)"
+        )
+    if not is_integer(prompt_len) or not 0 < prompt_len < seq_len:
+        raise ValueError(f"prompt_len={prompt_len!r} is invalid: must be an integer in 1..seq_len-1={seq_len - 1}")
     tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)
     rng = np.random.default_rng([seed, 1])
     out = np.zeros((count, seq_len), np.int32)
@@ -1176,7 +1226,18 @@ def default_draft_config(
     """A draft shaped after the target: same hidden size and attention geometry, ``num_layers`` layers.
 
     The fused layers default to every target layer (``0 … L−1``), as a small target has few.
+
+    Raises:
+      TypeError: ``target_cfg`` is not a target's config, ``confidence_head`` not a bool,
+        or ``target_layer_ids`` not a sequence.
+      ValueError: a value the :class:`~dspark_jax.config.DraftConfig` refuses.
     """
+    check_target_config(target_cfg)
+    check_flag("confidence_head", confidence_head)
+    if target_layer_ids is not None and (
+        isinstance(target_layer_ids, (str, bytes)) or not isinstance(target_layer_ids, (list, tuple, np.ndarray))
+    ):
+        raise TypeError(f"target_layer_ids={target_layer_ids!r} is invalid: expected a sequence of layer ids or None")
     ids = tuple(range(target_cfg.num_hidden_layers)) if target_layer_ids is None else tuple(target_layer_ids)
     return DraftConfig(
         hidden_size=target_cfg.hidden_size,
@@ -1196,7 +1257,7 @@ def default_draft_config(
         markov_rank=markov_rank,
         markov_head_type="vanilla",
         enable_confidence_head=confidence_head,
-        confidence_head_with_markov=confidence_head and markov_rank > 0,
+        confidence_head_with_markov=confidence_head and is_integer(markov_rank) and markov_rank > 0,
     )
 
 

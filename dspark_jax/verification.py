@@ -69,6 +69,7 @@ _TEMPERATURES = (
 _TOP_K = (lambda k: (k >= 1) & (k <= TOP_K_MAX), f"must be an integer in [1, {TOP_K_MAX}] (1 = greedy)")
 _TOP_P = (lambda p: (p > 0) & (p <= 1), "must be a number in (0, 1]")
 _PROBABILITIES = (lambda c: (c >= 0) & (c <= 1), "must be a probability in [0, 1]")
+_RATES = (lambda r: np.isfinite(r) & (r >= 0), "must be a finite rate >= 0 (steps per second)")
 
 
 def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
@@ -215,6 +216,7 @@ def target_probs(
     """
     _check_per_row_inputs(logits, "[B, ..., V]", temperatures, top_k, top_p)
     _check_filter_width(filter_width, np.shape(logits)[-1])
+    _check_filter_covers(filter_width, temperatures, top_k, top_p, np.shape(logits)[-1])
     return _target_probs(logits, temperatures, top_k, top_p, filter_width)
 
 
@@ -453,6 +455,7 @@ def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniform
     _check_values(
         {"block.temperatures": (block.temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)}
     )
+    _check_filter_covers(filter_width, block.temperatures, top_k, top_p, v)
 
 
 def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> None:
@@ -495,6 +498,27 @@ def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) 
     for name, (value, shape) in fields.items():
         if value is not None and tuple(np.shape(value)) != shape:
             raise ValueError(f"{name} has shape {tuple(np.shape(value))}: expected {shape} ({allowed})")
+
+
+def _check_filter_covers(filter_width, temperatures, top_k, top_p, vocab: int) -> None:
+    """With concrete rows, a ``filter_width`` must hold every sampling row's top-k (all ``V``
+    ranks for a top-p row without one): fewer would sample a narrower law without a word."""
+    rows = (temperatures, top_k, top_p)
+    if filter_width is None or any(isinstance(x, jax.core.Tracer) for x in rows):
+        return
+    temperatures, top_k, top_p = (np.asarray(x) for x in rows)
+    with np.errstate(invalid="ignore"):
+        restricting = (top_k > 1) & (temperatures > 0) & ((top_k < vocab) | (top_p < 1.0))  # [B]
+    if not restricting.any():
+        return
+    need = np.where(restricting, np.minimum(top_k.astype(np.int64), vocab), 0)  # [B] ranks each row reads
+    if filter_width < need.max():
+        row = int(np.argmax(need))
+        why = f"top_k[{row}]={int(top_k[row])}" if top_k[row] < vocab else f"top_p[{row}]={float(top_p[row])}"
+        raise ValueError(
+            f"filter_width={filter_width!r} is too small for these rows: sampling row {row} ({why}) needs "
+            f"{int(need[row])} ranks; use required_filter_width(temperatures, top_k, top_p, V) or None"
+        )
 
 
 def _check_filter_width(filter_width, vocab: int) -> None:
@@ -547,7 +571,8 @@ def schedule_verify_lengths(
 
     Raises:
       ValueError: ``confidence`` is not ``[B, γ]`` or (concrete) holds a value outside
-        ``[0, 1]`` or NaN, ``steps_per_second`` not ``[N]`` with ``N > B·(γ+1)``, ``widths``
+        ``[0, 1]`` or NaN, ``steps_per_second`` not ``[N]`` with ``N > B·(γ+1)`` or (concrete)
+        not finite, negative or all 0, ``widths``
         empty, repeated or outside ``[1, γ+1]``.
       TypeError: either array is not of a floating dtype; ``widths`` not a tuple of
         integers.
@@ -564,7 +589,9 @@ def schedule_verify_lengths(
             f"steps_per_second has {steps_per_second.shape[0]} entries: needs more than "
             f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
         )
-    _check_values({"confidence": (confidence, _PROBABILITIES)})
+    _check_values({"confidence": (confidence, _PROBABILITIES), "steps_per_second": (steps_per_second, _RATES)})
+    if not isinstance(steps_per_second, jax.core.Tracer) and not np.asarray(steps_per_second).any():
+        raise ValueError("steps_per_second is all 0: a measured table has at least one rate > 0")
     confidence = jnp.asarray(confidence, jnp.float32)
     confidence = jnp.where(confidence > 0, jnp.minimum(confidence, 1.0), 0.0)  # traced: NaN and below 0 → 0
     if widths is not None:

@@ -14,6 +14,7 @@ from dspark_jax.calibration import fit_sts_temperature, fit_temperatures
 from dspark_jax.checkpoint import load_draft, save_draft
 from dspark_jax.cli import main
 from dspark_jax.draft import DSparkDraft
+from dspark_jax.train import block_acceptance, map_heldout_blocks
 
 
 def _sigmoid(x):
@@ -107,6 +108,18 @@ def test_sts_fit_lowers_each_slots_cross_entropy_and_applies_and_saves_its_tempe
     save_draft(draft, tmp_path / "calibrated")
     loaded = load_draft(tmp_path / "calibrated", target=target)
     np.testing.assert_allclose(loaded.confidence_head.sts_temperature[...], fit.temperatures, rtol=1e-6)
+
+
+def test_each_label_kind_fits_the_acceptance_it_names(bundled):
+    """``"sampling"`` fits the chance T = 1 accepts (``Σ min(p, q)``), ``"greedy"`` the argmax
+    match; swapping them passed every other test (each only checks that the fit helps)."""
+    target, draft, tokens = bundled
+    windows = dict(batches=1, batch_size=2, seq_len=48, seed=1)
+    [(accept, match)] = map_heldout_blocks(draft, target, tokens, block_acceptance, **windows)
+    assert not np.allclose(np.mean(accept, 0), np.mean(match, 0), atol=1e-3)  # the two differ here
+    for labels, want in (("sampling", accept), ("greedy", match)):
+        fit = fit_sts_temperature(draft, target, tokens, labels=labels, apply=False, **windows)
+        np.testing.assert_allclose(fit.observed, np.mean(np.clip(want, 0, 1), 0), rtol=1e-6, atol=1e-7)
 
 
 def test_sts_fit_without_apply_leaves_the_draft_alone(bundled):

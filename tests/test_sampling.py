@@ -271,7 +271,8 @@ def test_typed_keys_of_wrong_batch_raise():
         ((3, 8), (1,), (3,), r"temperatures has shape \(1,\): expected \[B\] = \(3,\)"),
         ((3, 8), (3,), (3, 1), r"greedy_mask has shape \(3, 1\): expected \[B\] = \(3,\)"),
         ((8,), (1,), (1,), r"logits has shape \(8,\): expected \[B, V\]"),
-        ((3, 0), (3,), (3,), r"logits has shape \(3, 0\): expected \[B, V\] with V >= 1"),
+        ((3, 0), (3,), (3,), r"logits has shape \(3, 0\): expected \[B, V\] with B, V >= 1"),
+        ((0, 8), (0,), (0,), r"logits has shape \(0, 8\): expected \[B, V\] with B, V >= 1"),
     ],
 )
 def test_sample_step_refuses_mismatched_shapes_while_tracing(logits, temps, greedy, message):
@@ -362,3 +363,18 @@ def test_row_keys_refuses_a_batch_that_is_not_a_positive_integer(batch):
 
 def test_row_keys_takes_a_numpy_integer_batch():
     assert row_keys(jax.random.key(0), np.int64(3)).shape == (3,)
+
+
+def test_row_and_step_keys_are_fold_ins_of_the_row_and_the_step():
+    """The documented key layout, pinned with plain ``jax.random`` calls (the NumPy reference of
+    the proposal tests calls these functions itself, so a shifted layout passed there): row
+    ``b`` of one key is ``fold_in(key, b)``, step ``k`` of a row key ``fold_in(row_key, k)``."""
+    key = jax.random.key(11)
+    rows = row_keys(key, 3)
+    for b in range(3):
+        want = jax.random.key_data(jax.random.fold_in(key, b))
+        np.testing.assert_array_equal(jax.random.key_data(rows[b]), want)
+        step = jax.random.key_data(S.step_keys(rows, 2)[b])
+        np.testing.assert_array_equal(step, jax.random.key_data(jax.random.fold_in(rows[b], 2)))
+    raw = row_keys(jax.random.key_data(key), 3)  # a raw key: the same keys
+    np.testing.assert_array_equal(jax.random.key_data(raw), jax.random.key_data(rows))

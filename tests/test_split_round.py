@@ -159,6 +159,15 @@ def test_twin_programs_match_propose_and_compile_once(three_layers):
         _assert_same_block(block, want)  # also: no later round wrote into a held block
 
 
+def test_host_lists_work_without_twin_programs_too(three_layers):
+    """Without twins (the CPU default) lists failed on an unrelated AttributeError."""
+    draft, cache, inputs = three_layers
+    split = SplitRound(draft, twin_programs=False)
+    host = {k: np.asarray(v).tolist() for k, v in inputs.items()}
+    got = split(cache, **host, key=jax.random.key(3))
+    _assert_same_block(got, split(cache, **inputs, key=jax.random.key(3)))
+
+
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}
 
 

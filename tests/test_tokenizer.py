@@ -10,7 +10,9 @@ import pytest
 from dspark_jax.tokenizer import (
     EOS_TOKEN,
     MASK_TOKEN,
+    QWEN_PATTERN,
     WORD_PATTERN,
+    Tokenizer,
     bytes_to_unicode,
     load_tokenizer,
     train_bpe,
@@ -258,3 +260,138 @@ def test_encoding_a_lone_surrogate_names_its_position_and_code_point(tok):
     with pytest.raises(ValueError, match=r"text\[3\] is the lone surrogate U\+D800: text must hold Unicode scalar"):
         tok.encode("ab \ud800 c")
     assert tok.decode(tok.encode("ab \U0001f642 c")) == "ab \U0001f642 c"  # a surrogate pair's character is fine
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["model"].update(dropout=0.5), "model.dropout=0.5"),
+        (lambda d: d["model"].update(continuing_subword_prefix="##"), "model.continuing_subword_prefix='##'"),
+        (lambda d: d["model"].update(end_of_word_suffix="</w>"), "model.end_of_word_suffix='</w>'"),
+        (lambda d: d["model"].update(ignore_merges=True), "model.ignore_merges=True"),
+        (lambda d: d.update(normalizer={"type": "NFKC"}), "normalizer.type='NFKC'"),
+        (lambda d: d.update(normalizer="NFC"), "normalizer='NFC'"),
+        (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre_tokenizer.type='Whitespace'"),
+        (lambda d: d.update(pre_tokenizer=None), "pre_tokenizer=None"),
+        (
+            lambda d: d["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\W+"),
+            r"pre_tokenizer.pretokenizers[0].pattern.Regex='\\w+|\\W+'",
+        ),
+        (
+            lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"),
+            "pre_tokenizer.pretokenizers[0].behavior='Removed'",
+        ),
+        (
+            lambda d: d["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+            "pre_tokenizer.pretokenizers[1].add_prefix_space=True",
+        ),
+        (lambda d: d["pre_tokenizer"]["pretokenizers"].pop(0), "pre_tokenizer.pretokenizers=[{"),
+        (lambda d: d.update(post_processor={"type": "TemplateProcessing"}), "post_processor.type='TemplateProcessing'"),
+        (lambda d: d.update(decoder=None), "decoder=None"),
+        (lambda d: d.update(truncation={"max_length": 8}), "truncation={'max_length': 8}"),
+        (lambda d: d["added_tokens"][0].update(lstrip=True), "added_tokens[0].lstrip=True"),
+    ],
+    ids=[
+        "dropout",
+        "subword-prefix",
+        "word-suffix",
+        "ignore-merges",
+        "nfkc",
+        "normalizer-not-object",
+        "whitespace-pre-tokenizer",
+        "no-pre-tokenizer",
+        "other-split-regex",
+        "split-removed",
+        "prefix-space",
+        "no-split",
+        "template-post-processor",
+        "no-decoder",
+        "truncation",
+        "added-lstrip",
+    ],
+)
+def test_tokenizer_files_with_settings_encode_does_not_reproduce_are_refused(tok, tmp_path, edit, field):
+    """These used to load with the setting ignored, so encode differed from Hugging Face's."""
+    path = _edited(tok, tmp_path, edit)
+    with pytest.raises(ValueError, match="is not supported") as err:
+        load_tokenizer(path)
+    assert str(path) in str(err.value) and field in str(err.value), err.value
+
+
+def test_qwen_tokenizer_files_load_and_split_like_hugging_face(tmp_path):
+    """A Qwen2 / Qwen3 file (NFC, their split pattern, '' affixes, merges as lists) loads and
+    splits as the ``tokenizers`` library does (checked against it: digits one by one,
+    case-insensitive contractions, U+001C not whitespace, composed accents)."""
+    char = bytes_to_unicode()
+    merges = [("'", "S"), ("1", "2"), ("Ã", "©"), (char[0x1C], char[0x1C])]
+    vocab = {c: b for b, c in char.items()}
+    vocab.update({a + b: 256 + j for j, (a, b) in enumerate(merges)})
+    vocab[EOS_TOKEN] = len(vocab)
+    data = Tokenizer(vocab, merges, [EOS_TOKEN], pattern=QWEN_PATTERN, normalizer="NFC").to_json()
+    assert data["normalizer"] == {"type": "NFC"}
+    assert data["pre_tokenizer"]["pretokenizers"][0]["pattern"] == {"Regex": QWEN_PATTERN}
+    data["model"].update(continuing_subword_prefix="", end_of_word_suffix="", merges=[list(m) for m in merges])
+    data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    qwen = load_tokenizer(path)
+    text = "x'S 123 e\u0301a\x1c\x1cb"  # NFC: e + U+0301 -> é
+    words = ["x", "'S", "Ġ", "1", "2", "3", "Ġ", "Ã©", "a", char[0x1C] * 2, "b"]
+    assert qwen.encode(text) == [vocab[w] for w in words]
+    assert qwen.decode(qwen.encode(text)) == "x'S 123 éa\x1c\x1cb"
+    assert load_tokenizer(qwen.save(tmp_path / "again")).encode(text) == qwen.encode(text)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (lambda d: d.update(model=[]), ValueError, r"model=\[\] is invalid: must be an object"),
+        (lambda d: d["model"].update(vocab=[1, 2]), TypeError, r"model.vocab=\[1, 2\] is invalid: must be an object"),
+        (lambda d: d["model"].update(vocab=None), TypeError, r"model.vocab=None is invalid"),
+        (lambda d: d["model"].update(merges=[5]), TypeError, r"model.merges\[0\]=5 is invalid: a merge must be"),
+        (lambda d: d["model"].update(merges=None), TypeError, r"model.merges=None is invalid: must be a list"),
+        (lambda d: d.update(added_tokens=None), TypeError, r"added_tokens=None is invalid: must be a list"),
+    ],
+    ids=["model-list", "vocab-list", "vocab-null", "merge-int", "merges-null", "added-tokens-null"],
+)
+def test_malformed_tokenizer_files_name_the_path_and_field(tok, tmp_path, edit, error, message):
+    """These used to raise bare AttributeErrors / TypeErrors naming neither."""
+    path = _edited(tok, tmp_path, edit)
+    with pytest.raises(error, match=message) as err:
+        load_tokenizer(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_tokenizer_file_that_is_not_utf8_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match="is not UTF-8 text") as err:
+        load_tokenizer(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        (([], [], []), TypeError, r"vocab=\[\] is invalid: must be a dict"),
+        ((None, [], []), TypeError, r"vocab=None is invalid: must be a dict"),
+        (("vocab", None), TypeError, r"merges=None is invalid: must be a list of \(token, token\) pairs"),
+        (("vocab", [5]), TypeError, r"merges\[0\]=5 is invalid: a merge must be a pair"),
+        (("vocab", ["ab"]), TypeError, r"merges\[0\]='ab' is invalid: a merge must be a pair"),
+    ],
+    ids=["vocab-list", "vocab-none", "merges-none", "merge-int", "merge-str"],
+)
+def test_tokenizer_arguments_of_the_wrong_type_are_named(tok, args, error, message):
+    if args[0] == "vocab":
+        args = (dict(tok.vocab), args[1], list(tok.special_tokens))
+    with pytest.raises(error, match=message):
+        Tokenizer(*args)
+
+
+def test_decode_names_an_id_inside_the_range_that_no_token_has(tok):
+    vocab = {**tok.vocab, "zzz": 5000}
+    gappy = Tokenizer(vocab, tok.merges, list(tok.special_tokens))
+    with pytest.raises(ValueError, match=r"ids\[0\]=4000 is an unused id: no token is assigned to it"):
+        gappy.decode([4000])
+    with pytest.raises(ValueError, match=r"ids\[0\]=5001 is outside the vocabulary \(ids 0..5000\)"):
+        gappy.decode([5001])

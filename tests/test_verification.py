@@ -751,3 +751,25 @@ def test_required_filter_width_refuses_bad_requests_naming_the_field(args, error
 
 def test_required_filter_width_takes_host_numbers_of_either_kind():
     assert required_filter_width([1, 0], np.array([3, 1], np.int64), [1, 1], np.int64(8)) == 4
+
+
+def test_a_draft_the_target_cannot_emit_is_rejected_even_at_uniform_zero():
+    """The test is ``u · q(d) < p(d)``, strict: with ``u = 0`` and ``p(d) = 0`` (here ``d`` outside
+    the target's top-2) a ``<=`` would accept a token the target never emits."""
+    b, gamma, v = 1, 2, 6
+    logits = jnp.asarray([[[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * (gamma + 1)], jnp.float32)
+    drafts = np.array([[4, 0]])  # slot 0: rank 5 of the target, outside its top-2
+    corrected = np.zeros((b, gamma, v))
+    corrected[0, :, 4] = 5.0  # the draft rates it highly: q(d) > 0
+    block = _block(drafts, corrected, np.array([False]), [1.0])
+    correct_len, bonus = accept_with_noise(
+        logits,
+        block,
+        top_k=jnp.array([2], jnp.int32),
+        top_p=jnp.ones(b, jnp.float32),
+        verify_len=None,
+        uniforms=jnp.zeros((b, gamma), jnp.float32),
+        exponentials=jnp.ones((b, v), jnp.float32),
+    )
+    assert int(correct_len[0]) == 0
+    assert int(bonus[0]) in (0, 1)  # from the target's top-2 residual
