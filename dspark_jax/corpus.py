@@ -63,6 +63,18 @@ class Corpus:
     heldout_files: tuple[str, ...]
     held_out_percent: int = HELD_OUT_PERCENT
 
+    def __post_init__(self):
+        if not isinstance(self.root, str) or not os.path.isdir(self.root):
+            raise ValueError(f"root={self.root!r} is invalid: must be an existing folder")
+        for name in ("train_files", "heldout_files"):
+            files = getattr(self, name)
+            if isinstance(files, str) or not all(isinstance(f, str) for f in files):
+                raise TypeError(f"{name} must be a sequence of file paths relative to root, got {files!r:.80}")
+        if isinstance(self.held_out_percent, bool) or not isinstance(self.held_out_percent, int):
+            raise TypeError(f"held_out_percent={self.held_out_percent!r} is invalid: must be an integer")
+        if not 0 <= self.held_out_percent <= 100:
+            raise ValueError(f"held_out_percent={self.held_out_percent!r} is invalid: must lie in [0, 100]")
+
     def files(self, split: str) -> tuple[str, ...]:
         if split == "train":
             return self.train_files

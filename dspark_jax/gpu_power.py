@@ -120,6 +120,8 @@ class PowerSampler:
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ValueError(f"interval_s={interval_s!r} is invalid: must be a positive number of seconds")
         self.interval_s = float(interval_s)
+        if reader is not None and not callable(reader):
+            raise TypeError(f"reader={reader!r} is invalid: must be a callable Reader or None (NVML's)")
         self._reader = nvml_reader() if reader is None else reader
         self.samples: list[Reading] = []
         self._stop = threading.Event()

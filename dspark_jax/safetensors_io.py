@@ -56,8 +56,9 @@ def read_index(folder: str) -> dict[str, list[str]] | None:
       no ``model.safetensors.index.json``.
 
     Raises:
-      ValueError: the index is not valid JSON or not an object, has no ``weight_map``, or lists
-        a shard that does not exist (naming the index's path).
+      ValueError: the index is not valid JSON or not an object, has no ``weight_map``, maps a
+        tensor to something other than a file name, or lists a shard that does not exist
+        (naming the index's path).
     """
     index_path = os.path.join(folder, INDEX_NAME)
     if not os.path.isfile(index_path):
@@ -70,6 +71,10 @@ def read_index(folder: str) -> dict[str, list[str]] | None:
         raise ValueError(f"{index_path} has no 'weight_map' dict naming the tensors and their shard files")
     shards: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+            raise ValueError(
+                f"{index_path} maps tensor {name!r} to {shard!r}: expected the file name of a shard in the folder"
+            )
         shards.setdefault(os.path.join(folder, shard), []).append(name)
     for path in shards:
         if not os.path.isfile(path):

@@ -294,6 +294,12 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
                     f"tensor {key!r} is in shard {os.path.basename(shard)!r} but the index does not map it there"
                 )
             tensors[key] = value
+        absent = sorted(set(listed or ()) - set(loaded))
+        if absent:
+            raise ValueError(
+                f"tensor {absent[0]!r} is listed for {os.path.basename(shard)!r} by {INDEX_NAME} of {path!r} but not "
+                "stored in it"
+            )
     return tensors
 
 

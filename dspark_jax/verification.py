@@ -583,16 +583,17 @@ def schedule_verify_lengths(
             "expected [B, γ] and [N]"
         )
     check_dtypes({"confidence": (confidence, jnp.floating), "steps_per_second": (steps_per_second, jnp.floating)})
-    b, gamma = confidence.shape
-    if steps_per_second.shape[0] <= b * (gamma + 1):
+    b, gamma = np.shape(confidence)
+    if np.shape(steps_per_second)[0] <= b * (gamma + 1):
         raise ValueError(
-            f"steps_per_second has {steps_per_second.shape[0]} entries: needs more than "
+            f"steps_per_second has {np.shape(steps_per_second)[0]} entries: needs more than "
             f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
         )
     _check_values({"confidence": (confidence, _PROBABILITIES), "steps_per_second": (steps_per_second, _RATES)})
     if not isinstance(steps_per_second, jax.core.Tracer) and not np.asarray(steps_per_second).any():
         raise ValueError("steps_per_second is all 0: a measured table has at least one rate > 0")
     confidence = jnp.asarray(confidence, jnp.float32)
+    steps_per_second = jnp.asarray(steps_per_second)  # lists and NumPy arrays too
     confidence = jnp.where(confidence > 0, jnp.minimum(confidence, 1.0), 0.0)  # traced: NaN and below 0 → 0
     if widths is not None:
         return _uniform_verify_length(confidence, steps_per_second, _check_widths(widths, gamma))

@@ -294,3 +294,27 @@ def test_sample_step_refuses_bool_or_integer_temperatures():
     for temps in (jnp.array([True, False]), jnp.array([1, 0])):
         with pytest.raises(TypeError, match="temperatures has dtype"):
             sampling.sample_step(logits, temps, mask, jax.random.key(0))
+
+
+def test_schedule_verify_lengths_takes_host_lists():
+    """A list ``confidence`` failed on ``'list' object has no attribute 'shape'``."""
+    confidence, rates = [[0.9, 0.5, 0.1]], [1.0, 0.9, 0.8, 0.7, 0.6]
+    got = schedule_verify_lengths(confidence, rates)
+    np.testing.assert_array_equal(got, schedule_verify_lengths(jnp.asarray(confidence), jnp.asarray(rates)))
+
+
+def test_a_corpus_or_power_sampler_of_bad_fields_is_refused(tmp_path):
+    """``Corpus(root='/nonexistent', held_out_percent=-5)`` and ``PowerSampler(reader=5)`` built."""
+    from dspark_jax.corpus import Corpus
+    from dspark_jax.gpu_power import PowerSampler
+
+    files = dict(train_files=("a.py",), heldout_files=())
+    with pytest.raises(ValueError, match="root='/nonexistent' is invalid: must be an existing folder"):
+        Corpus(root="/nonexistent", **files)
+    with pytest.raises(ValueError, match=re.escape("held_out_percent=-5 is invalid: must lie in [0, 100]")):
+        Corpus(root=str(tmp_path), **files, held_out_percent=-5)
+    with pytest.raises(TypeError, match="train_files must be a sequence of file paths"):
+        Corpus(root=str(tmp_path), train_files="a.py", heldout_files=())
+    assert Corpus(root=str(tmp_path), **files).files("train") == ("a.py",)
+    with pytest.raises(TypeError, match="reader=5 is invalid: must be a callable Reader"):
+        PowerSampler(reader=5)

@@ -531,3 +531,22 @@ def test_a_stored_dtype_that_is_not_a_name_falls_back_to_float32(tmp_path):
     hf["torch_dtype"] = ["bfloat16"]  # not one of the dtype names: ignored, as an unknown name is
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert load_target(tmp_path).embed_tokens.dtype == jnp.float32
+
+
+def test_an_index_mapping_a_tensor_to_the_wrong_shard_or_to_no_file_is_named(tmp_path):
+    """A tensor listed for the wrong shard was reported as missing; a shard name that is not a
+    string failed in ``os.path.join``."""
+    import json
+
+    save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(3)), tmp_path, max_shard_bytes=4000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(s for s in shards if s != index["weight_map"]["lm_head.weight"])
+    moved = {**index, "weight_map": {**index["weight_map"], "lm_head.weight": wrong}}
+    index_path.write_text(json.dumps(moved))
+    with pytest.raises(ValueError, match=f"tensor 'lm_head.weight' is listed for '{wrong}' .* but not stored in it"):
+        load_target(tmp_path)
+    index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"], "lm_head.weight": 5}}))
+    with pytest.raises(ValueError, match="maps tensor 'lm_head.weight' to 5: expected the file name of a shard"):
+        load_target(tmp_path)
