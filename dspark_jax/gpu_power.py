@@ -114,14 +114,15 @@ class PowerSampler:
 
     Raises:
       ValueError: ``interval_s`` is not a positive number.
+      TypeError: ``reader`` is not a :data:`Reader` or None.
     """
 
     def __init__(self, *, interval_s: float = 0.02, reader: Reader | None = None):
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ValueError(f"interval_s={interval_s!r} is invalid: must be a positive number of seconds")
         self.interval_s = float(interval_s)
-        if reader is not None and not callable(reader):
-            raise TypeError(f"reader={reader!r} is invalid: must be a callable Reader or None (NVML's)")
+        if reader is not None and not (isinstance(reader, tuple) and len(reader) == 2 and callable(reader[0])):
+            raise TypeError(f"reader={reader!r} is invalid: must be a Reader (read, power_limit_w) or None (NVML's)")
         self._reader = nvml_reader() if reader is None else reader
         self.samples: list[Reading] = []
         self._stop = threading.Event()

@@ -316,5 +316,5 @@ def test_a_corpus_or_power_sampler_of_bad_fields_is_refused(tmp_path):
     with pytest.raises(TypeError, match="train_files must be a sequence of file paths"):
         Corpus(root=str(tmp_path), train_files="a.py", heldout_files=())
     assert Corpus(root=str(tmp_path), **files).files("train") == ("a.py",)
-    with pytest.raises(TypeError, match="reader=5 is invalid: must be a callable Reader"):
+    with pytest.raises(TypeError, match=re.escape("reader=5 is invalid: must be a Reader (read, power_limit_w)")):
         PowerSampler(reader=5)
