@@ -118,18 +118,22 @@ def _check_dtype(name: str, value: Any) -> None:
         _fail(name, value, f"must be one of {sorted(DTYPES)}")
 
 
+# The shape fields every Qwen3-style transformer config has (a target's config is one with them).
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
 def _check_common(cfg: Any) -> None:
     """Checks the fields a Qwen3-style transformer config shares."""
-    for name in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-    ):
+    for name in SHAPE_FIELDS:
         positive_int(name, getattr(cfg, name))
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         _fail(

@@ -45,6 +45,7 @@ from flax import nnx
 
 from dspark_jax.cli import SEED_MAX, add_save_dtype, check_checkpoint, loading, number_flag
 from dspark_jax.config import (
+    SHAPE_FIELDS,
     DraftConfig,
     TargetConfig,
     check_flag,
@@ -639,22 +640,10 @@ class DraftTrainConfig:
             )
 
 
-TARGET_CONFIG_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
 def check_target_config(target_cfg: Any) -> None:
     """Raises ``TypeError`` unless ``target_cfg`` is a target's config (a
     :class:`~dspark_jax.config.TargetConfig`, or any config with its shape fields)."""
-    if isinstance(target_cfg, DraftConfig) or not all(hasattr(target_cfg, f) for f in TARGET_CONFIG_FIELDS):
+    if isinstance(target_cfg, DraftConfig) or not all(hasattr(target_cfg, f) for f in SHAPE_FIELDS):
         raise TypeError(f"target_cfg must be a target's config (a TargetConfig), got {type(target_cfg).__name__}")
 
 
