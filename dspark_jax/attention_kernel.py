@@ -39,12 +39,16 @@ kernels through the Pallas interpreter on any backend (the CPU tests do).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
+from dspark_jax.config import check_flag, is_integer
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
+from dspark_jax.sampling import check_dtypes
 
 ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 """Environment variable choosing the draft's context attention: ``auto`` (default: the
@@ -340,6 +344,72 @@ def _check_query_layout(q: jax.Array) -> None:
         )
 
 
+def _check_arrays(arrays: dict[str, Any]) -> None:
+    """``TypeError`` naming the first of ``arrays`` (None skipped) that is no JAX or NumPy array."""
+    for name, value in arrays.items():
+        if value is not None and not isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} has type {type(value).__name__}: expected a jax.Array or numpy.ndarray")
+
+
+def _check_context_args(
+    cache_k: Any, cache_v: Any, prefix_lens: Any, slots: Any, *, batch: int, heads: tuple[int, int], layer: Any
+) -> int:
+    """The checks :func:`attend_block` and :func:`context_attention` share; returns ``layer`` as an int.
+
+    Static ones: the cache ``[L, N, C, KVH, D]`` of one floating dtype for both halves, with the
+    queries' ``(KVH, D)`` = ``heads``; ``prefix_lens`` and ``slots`` ``[B]`` (``B = batch``) of an
+    integer dtype, ``N == B`` without ``slots``; ``layer`` an integer in ``[0, L)`` (a Python or
+    NumPy int: it picks the cache block, and an index past ``L`` would read another layer). When
+    concrete (a tracer is not read), ``slots`` in ``[0, N)`` and ``prefix_lens >= 0``.
+
+    Raises:
+      ValueError: a shape, ``layer`` or a concrete value is out of line, naming it.
+      TypeError: an argument is not an array or is of the wrong dtype.
+    """
+    _check_arrays({"cache_k": cache_k, "cache_v": cache_v, "prefix_lens": prefix_lens, "slots": slots})
+    if cache_k.ndim != 5 or 0 in cache_k.shape:
+        raise ValueError(f"cache_k has shape {tuple(cache_k.shape)}: expected [L, N, C, KVH, D], none of them 0")
+    if tuple(cache_v.shape) != tuple(cache_k.shape):
+        raise ValueError(f"cache_v has shape {tuple(cache_v.shape)}: expected cache_k's {tuple(cache_k.shape)}")
+    layers, n_slots, _, kvh, d = cache_k.shape
+    if (kvh, d) != heads:
+        raise ValueError(
+            f"the queries' (KVH, D) = {heads} do not fit the cache's (KVH, D) = {(kvh, d)} (cache_k "
+            f"{tuple(cache_k.shape)} is [L, N, C, KVH, D])"
+        )
+    # the kernel attends over them: integer keys and values give meaningless scores
+    check_dtypes({"cache_k": (cache_k, jnp.floating), "cache_v": (cache_v, jnp.floating)})
+    if cache_v.dtype != cache_k.dtype:
+        raise TypeError(f"cache_v has dtype {cache_v.dtype}: expected cache_k's {cache_k.dtype}")
+    for name, value in (("prefix_lens", prefix_lens), ("slots", slots)):
+        if value is not None and tuple(value.shape) != (batch,):
+            raise ValueError(f"{name} has shape {tuple(value.shape)}: expected [B] = ({batch},) like q")
+    if slots is None and n_slots != batch:
+        raise ValueError(
+            f"the cache has N={n_slots} slots and q B={batch} requests: without slots, N must equal B "
+            "(request b in slot b)"
+        )
+    # a float length or slot would be truncated silently
+    check_dtypes({"prefix_lens": (prefix_lens, jnp.integer), "slots": (slots, jnp.integer)})
+    if not is_integer(layer) or not 0 <= layer < layers:
+        raise ValueError(f"layer={layer!r} is invalid: must be an integer in [0, {layers}) (the cache's L)")
+    _check_concrete("slots", slots, 0, n_slots - 1, f"cache slot ids in [0, {n_slots})")
+    _check_concrete("prefix_lens", prefix_lens, 0, None, ">= 0 (past C reads all of C)")
+    return int(layer)
+
+
+def _check_concrete(name: str, value: Any, lo: int, hi: int | None, allowed: str) -> None:
+    """``ValueError`` for the first entry of a concrete ``value`` outside ``[lo, hi]``; None and
+    tracers are skipped (nothing is added to a traced program; the kernel clamps such slots)."""
+    if value is None or isinstance(value, jax.core.Tracer):
+        return
+    values = np.asarray(value)
+    bad = (values < lo) | (values > hi) if hi is not None else values < lo
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}]={int(values[i])} is out of range: must be {allowed}")
+
+
 def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     """The whole array for every program (each indexes its own part)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -381,7 +451,6 @@ def _partials(q, cache_k, cache_v, prefix_lens, slots, *, layer, splits, interpr
     )(prefix_lens.astype(jnp.int32), slots.astype(jnp.int32), q, cache_k, cache_v)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret", "splits"))
 def context_attention(
     q: jax.Array,
     cache_k: jax.Array,
@@ -416,12 +485,27 @@ def context_attention(
       ``o = l = 0`` when none is visible).
 
     Raises:
-      ValueError: ``q``'s layout or ``splits`` is invalid.
+      ValueError: ``q``'s layout or ``splits`` is invalid, the shapes do not fit together as
+        above, ``layer`` is not an integer in ``[0, L)``, or (concrete values) a slot is outside
+        ``[0, N)`` or a length negative.
+      TypeError: an argument is not an array, ``q`` or the cache is not of a floating dtype
+        (``cache_v`` not of ``cache_k``'s), ``prefix_lens`` or ``slots`` not of an integer one,
+        or ``interpret`` is not a bool.
     """
+    check_flag("interpret", interpret)
+    _check_arrays({"q": q})
     _check_query_layout(q)
-    b, kvh, capacity = q.shape[0], q.shape[2], cache_k.shape[2]
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
-    splits = _resolve_splits(splits, b, kvh, capacity)
+    check_dtypes({"q": (q, jnp.floating)})
+    b, _, kvh, _, d = q.shape
+    layer = _check_context_args(cache_k, cache_v, prefix_lens, slots, batch=b, heads=(kvh, d), layer=layer)
+    splits = _resolve_splits(splits, b, kvh, cache_k.shape[2])
+    return _context_attention(q, cache_k, cache_v, prefix_lens, slots, layer=layer, interpret=interpret, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret", "splits"))
+def _context_attention(q, cache_k, cache_v, prefix_lens, slots, *, layer, interpret, splits):
+    """:func:`context_attention` on checked inputs, ``splits`` resolved."""
+    slots = jnp.arange(q.shape[0], dtype=jnp.int32) if slots is None else slots
     o, m, l = _partials(q, cache_k, cache_v, prefix_lens, slots, layer=layer, splits=splits, interpret=interpret)
     if splits == 1:
         return o[:, :, 0], m[:, :, 0], l[:, :, 0]
@@ -460,9 +544,30 @@ def attend_block(
 
     Returns:
       ``[B, S, NH·D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: the shapes do not fit together as above (``NH`` a multiple of the cache's
+        ``KVH``), ``layer`` is not an integer in ``[0, L)``, ``splits`` is invalid, or (concrete
+        values) a slot is outside ``[0, N)`` or a length negative.
+      TypeError: an argument is not an array, ``q``, ``k``, ``v`` or the cache is not of a
+        floating dtype (``cache_v`` not of ``cache_k``'s), ``prefix_lens`` or ``slots`` not of
+        an integer one, or ``interpret`` is not a bool.
     """
+    check_flag("interpret", interpret)
+    _check_arrays({"q": q, "k": k, "v": v})
+    if q.ndim != 4 or q.shape[1] < 1 or k.ndim != 4 or k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}: expected q [B, S, NH, D] with S >= 1 and k "
+            "[B, S, KVH, D] with NH a multiple of KVH >= 1"
+        )
     b, s, nh, d = q.shape
     kvh = k.shape[2]
+    for name, value in (("k", k), ("v", v)):
+        if tuple(value.shape) != (b, s, kvh, d):
+            raise ValueError(f"{name} has shape {tuple(value.shape)}: expected [B, S, KVH, D] = {(b, s, kvh, d)}")
+    # cast to the cache's dtype below: integer queries or keys would be taken as they are
+    check_dtypes({"q": (q, jnp.floating), "k": (k, jnp.floating), "v": (v, jnp.floating)})
+    layer = _check_context_args(cache_k, cache_v, prefix_lens, slots, batch=b, heads=(kvh, d), layer=layer)
     g = nh // kvh
     capacity = cache_k.shape[2]
     q5 = q.reshape(b, s, kvh, g, d).astype(cache_k.dtype)  # [B, S, KVH, G, D]: a reshape, no copy

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _whole
+from dspark_jax.config import check_flag
 from dspark_jax.kernel_choice import (
     KERNEL_CHOICES,
     check_tile_layout,
@@ -89,8 +90,8 @@ class GreedyTuning:
 
     def __post_init__(self):
         check_tile_layout(self, ("tile", "chunk"), _WARP_COUNTS, flags=("alternate",))
-        if self.prefetch not in (None, True, False):
-            raise ValueError(f"prefetch={self.prefetch!r} is invalid: must be True, False or None")
+        # a bool or None, as ``alternate`` is a bool: ``1`` or ``0.0`` are refused, not read as flags
+        check_flag("prefetch", self.prefetch, none_allowed=True)
 
     def warps_for(self, rows: int) -> int:
         """Warps per program for ``rows`` rows per program."""

@@ -20,6 +20,8 @@ import warnings
 
 import jax
 
+from dspark_jax.config import check_flag, is_integer
+
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 
 
@@ -106,21 +108,25 @@ def check_tile_layout(
     at least 16, its ``warps`` None or one of ``warp_counts``, its ``stages`` an integer in [1, 8],
     its fields ``flags`` bools.
 
+    The numbers must be integers, Python or NumPy (a float such as ``4.0`` or a bool is refused);
+    NumPy ones are stored back as Python ints (the dataclass is frozen, hence
+    ``object.__setattr__``), so the kernels' index arithmetic sees plain ints.
+
     Raises:
       ValueError: naming the first numeric field that is not so, its value and what is allowed.
       TypeError: naming a flag that is not a bool and its value.
     """
     for name in flags:
+        check_flag(name, getattr(layout, name))
+
+    def integer(name: str, ok, allowed: str) -> None:
         value = getattr(layout, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} is invalid: must be a bool")
+        if not is_integer(value) or not ok(int(value)):
+            raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        object.__setattr__(layout, name, int(value))
+
     for name in powers:
-        value = getattr(layout, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-            raise ValueError(f"{name}={value!r} is invalid: must be a power of two >= 16")
-    warps = layout.warps
-    if warps is not None and (isinstance(warps, bool) or warps not in warp_counts):
-        raise ValueError(f"warps={warps!r} is invalid: must be None or one of {warp_counts}")
-    stages = layout.stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 8:
-        raise ValueError(f"stages={stages!r} is invalid: must be an integer in [1, 8]")
+        integer(name, lambda n: n >= 16 and not n & (n - 1), "a power of two >= 16")
+    if layout.warps is not None:
+        integer("warps", lambda n: n in warp_counts, f"None or one of {warp_counts}")
+    integer("stages", lambda n: 1 <= n <= 8, "an integer in [1, 8]")

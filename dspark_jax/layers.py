@@ -8,9 +8,39 @@ Shape legend:
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from dspark_jax.config import is_real
+from dspark_jax.sampling import check_dtypes
+
+
+def _check_arrays(fn: str, arrays: dict[str, Any]) -> None:
+    """Raises ``TypeError`` naming the first of ``arrays`` (``name: value``) that is not a JAX or
+    NumPy array (a list has no static shape to check; a tracer is a ``jax.Array``)."""
+    for name, value in arrays.items():
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(f"{fn}: {name} has type {type(value).__name__}: expected a jax.Array or numpy.ndarray")
+
+
+def _check_theta(theta: Any) -> None:
+    """``theta`` must be a finite number > 0: a Python or NumPy real (checked), or a scalar
+    ``jax.Array`` (its value checked when concrete, a tracer's not)."""
+    if is_real(theta):
+        value = float(theta)
+    elif isinstance(theta, jax.Array) and theta.ndim == 0 and not jnp.issubdtype(theta.dtype, jnp.bool_):
+        if isinstance(theta, jax.core.Tracer):
+            return
+        value = float(theta)
+    else:
+        raise TypeError(f"rope: theta={theta!r} has type {type(theta).__name__}: expected a finite number > 0")
+    if not 0 < value < math.inf:
+        raise ValueError(f"rope: theta={theta!r} is invalid: must be a finite number > 0")
 
 
 class RMSNorm(nnx.Module):
@@ -53,9 +83,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       ``[B, S, heads, D]`` in ``x.dtype``.
 
     Raises:
-      ValueError: ``x`` is not 4-D with an even ``D``, or ``positions`` is not ``[B, S]``
-        (checked on static shapes: nothing is added to a traced program).
+      ValueError: ``x`` is not 4-D with an even ``D``, ``positions`` is not ``[B, S]``
+        (checked on static shapes: nothing is added to a traced program), or ``theta`` is not
+        a finite number > 0 (a concrete one; a traced scalar is not read).
+      TypeError: ``x`` or ``positions`` is not an array (a list), ``x`` is not of a floating
+        dtype, ``positions`` not of an integer one (a float position would be rotated as is,
+        not as the integer the model saw), or ``theta`` is not a number.
     """
+    _check_arrays("rope", {"x": x, "positions": positions})
+    check_dtypes({"rope: x": (x, jnp.floating), "rope: positions": (positions, jnp.integer)})
+    _check_theta(theta)
     if x.ndim != 4 or x.shape[-1] % 2:
         raise ValueError(f"rope: x has shape {tuple(x.shape)}: expected [B, S, heads, D] with an even D")
     if tuple(positions.shape) != tuple(x.shape[:2]):
@@ -84,8 +121,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
     Raises:
       ValueError: the shapes do not fit together as above, or ``NH`` is not a multiple
-        of ``KVH`` (static shapes only: nothing is added to a traced program).
+        of ``KVH >= 1`` (static shapes only: nothing is added to a traced program).
+      TypeError: an argument is not an array (a list), or ``mask`` is not bool (a float mask
+        would be read as truthiness).
     """
+    _check_arrays("attend", {"q": q, "k": k, "v": v, "mask": mask})
+    check_dtypes({"attend: mask": (mask, jnp.bool_)})
     if q.ndim != 4 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
         raise ValueError(
             f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [B, S, NH, D] "
@@ -93,10 +134,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
         )
     b, s, nh, d = q.shape
     kvh = k.shape[2]
-    if k.shape[0] != b or k.shape[3] != d or nh % kvh:
+    if k.shape[0] != b or k.shape[3] != d or kvh < 1 or nh % kvh:
         raise ValueError(
             f"attend: q {tuple(q.shape)} and k {tuple(k.shape)} do not fit: same B and D, and NH={nh} a "
-            f"multiple of KVH={kvh}"
+            f"multiple of KVH={kvh} >= 1"
         )
     if tuple(mask.shape) != (b, s, k.shape[1]):
         raise ValueError(f"attend: mask has shape {tuple(mask.shape)}: expected [B, S, L] = {(b, s, k.shape[1])}")
@@ -136,7 +177,15 @@ def attend_with_context(
 
     Returns:
       ``[B, S, NH * D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: the shapes do not fit together as above (``C`` and ``S`` at least 1, ``NH``
+        a multiple of ``KVH >= 1``); static shapes only, nothing is added to a traced program.
+      TypeError: an argument is not an array (a list), ``ctx_mask`` is not bool (it would be
+        read as truthiness), or ``q``, ``ctx_k``, ``ctx_v``, ``k`` or ``v`` is not of a
+        floating dtype.
     """
+    _check_context_inputs(q, ctx_k, ctx_v, ctx_mask, k, v)
     b, s, nh, d = q.shape
     c, kvh = ctx_k.shape[1], ctx_k.shape[2]
     g = nh // kvh
@@ -172,6 +221,35 @@ def attend_with_context(
     )
     out = (ctx_out + own_out) / denom[..., None]  # [B, KVH, G, S, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh * d).astype(q.dtype)
+
+
+def _check_context_inputs(q: Any, ctx_k: Any, ctx_v: Any, ctx_mask: Any, k: Any, v: Any) -> None:
+    """The static checks of :func:`attend_with_context` (see there)."""
+    fn = "attend_with_context"
+    arrays = {"q": q, "ctx_k": ctx_k, "ctx_v": ctx_v, "ctx_mask": ctx_mask, "k": k, "v": v}
+    _check_arrays(fn, arrays)
+    if q.ndim != 4 or ctx_k.ndim != 4 or q.shape[1] < 1:
+        raise ValueError(
+            f"{fn}: q {tuple(q.shape)} and ctx_k {tuple(ctx_k.shape)}: expected q [B, S, NH, D] with S >= 1 "
+            "and ctx_k [B, C, KVH, D]"
+        )
+    b, s, nh, d = q.shape
+    c, kvh = ctx_k.shape[1], ctx_k.shape[2]
+    if ctx_k.shape[0] != b or ctx_k.shape[3] != d or c < 1 or kvh < 1 or nh % kvh:
+        raise ValueError(
+            f"{fn}: q {tuple(q.shape)} and ctx_k {tuple(ctx_k.shape)} do not fit: same B and D, C >= 1, and "
+            f"NH={nh} a multiple of KVH={kvh} >= 1"
+        )
+    if tuple(ctx_v.shape) != tuple(ctx_k.shape):
+        raise ValueError(f"{fn}: ctx_v has shape {tuple(ctx_v.shape)}: expected ctx_k's {tuple(ctx_k.shape)}")
+    if tuple(ctx_mask.shape) != (b, c):
+        raise ValueError(f"{fn}: ctx_mask has shape {tuple(ctx_mask.shape)}: expected [B, C] = {(b, c)}")
+    own = (b, s, kvh, d)
+    for name, value in (("k", k), ("v", v)):
+        if tuple(value.shape) != own:
+            raise ValueError(f"{fn}: {name} has shape {tuple(value.shape)}: expected [B, S, KVH, D] = {own}")
+    check_dtypes({f"{fn}: ctx_mask": (ctx_mask, jnp.bool_)})
+    check_dtypes({f"{fn}: {name}": (value, jnp.floating) for name, value in arrays.items() if name != "ctx_mask"})
 
 
 def _linear(din: int, dout: int, *, bias: bool, cfg, rngs: nnx.Rngs) -> nnx.Linear:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _load, _store, _whole
+from dspark_jax.config import check_flag
 from dspark_jax.kernel_choice import (
     KERNEL_CHOICES,
     check_tile_layout,
@@ -171,12 +172,18 @@ def swiglu(
       ``[M, I]`` in ``x.dtype``.
 
     Raises:
-      ValueError: shapes or dtypes that do not fit together or that the kernel does not support.
-      TypeError: ``tuning`` is not an :class:`MlpTuning`.
+      ValueError: shapes or dtypes that do not fit together or that the kernel does not support,
+        or ``x`` has no rows (``M = 0``).
+      TypeError: ``x``, ``gate`` or ``up`` is not an array (a list), ``interpret`` is not a bool
+        (a string such as "no" would be true), or ``tuning`` is not an :class:`MlpTuning`.
     """
+    check_flag("interpret", interpret)
     tuning = MLP_TUNING if tuning is None else tuning
     if not isinstance(tuning, MlpTuning):
         raise TypeError(f"tuning={tuning!r} is invalid: must be an MlpTuning or None")
+    for name, value in (("x", x), ("gate", gate), ("up", up)):
+        if not isinstance(value, jax.Array):  # a tracer here: jit has turned NumPy arrays into arrays
+            raise TypeError(f"swiglu: {name} has type {type(value).__name__}: expected a jax.Array or numpy.ndarray")
     if x.ndim != 2 or gate.ndim != 2 or gate.shape[0] != x.shape[1] or up.shape != gate.shape:
         raise ValueError(
             f"swiglu got x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}: expected x [M, H] "
@@ -186,6 +193,8 @@ def swiglu(
         raise ValueError(f"swiglu got x {x.dtype}, gate {gate.dtype}, up {up.dtype}: must be one dtype")
     count, hidden = x.shape
     inter = gate.shape[1]
+    if count < 1:
+        raise ValueError(f"swiglu got x {tuple(x.shape)}: expected [M, H] with M >= 1 rows")
     if not swiglu_supported(x.dtype, hidden, inter):
         raise ValueError(f"dtype={x.dtype}, H={hidden}, I={inter} are not supported: see swiglu_supported")
     rows = min(max(16, pow2_ceil(count)), tuning.rows)

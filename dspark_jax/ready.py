@@ -21,6 +21,8 @@ from typing import Any
 
 import jax
 
+from dspark_jax.config import is_real
+
 
 def spin_until_ready(tree: Any, *, timeout_s: float | None = None) -> Any:
     """Polls until every array in ``tree`` is ready, then returns ``tree``.
@@ -36,13 +38,17 @@ def spin_until_ready(tree: Any, *, timeout_s: float | None = None) -> Any:
       ``tree``.
 
     Raises:
-      ValueError: ``timeout_s`` is not a positive number.
+      ValueError: ``timeout_s`` is not None or a number > 0 (a Python or NumPy real; not a bool,
+        not NaN).
       TimeoutError: the arrays were not ready within ``timeout_s``.
     """
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
-    ):
-        raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be a positive number of seconds or None")
+    if timeout_s is not None:
+        if not is_real(timeout_s) or not timeout_s > 0:
+            raise ValueError(
+                f"timeout_s={timeout_s!r} (type {type(timeout_s).__name__}) is invalid: must be None or a number "
+                "of seconds > 0 (a Python or NumPy real)"
+            )
+        timeout_s = float(timeout_s)
     deadline = None if timeout_s is None else time.perf_counter() + timeout_s
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, jax.Array):

@@ -230,19 +230,97 @@ def test_kernel_clamps_slots_outside_the_cache(monkeypatch, splits):
     big_k = jax.random.normal(jax.random.key(11), (1, 5, 48, 2, 16))
     big_v = jax.random.normal(jax.random.key(12), (1, 5, 48, 2, 16))
     lens = jnp.array([40, 17, 48], jnp.int32)
-    got = attend_block(
-        q,
-        k,
-        v,
-        cache_k=big_k,
-        cache_v=big_v,
-        prefix_lens=lens,
-        layer=0,
-        slots=jnp.array([7, -2, 4], jnp.int32),
-        interpret=True,
-        splits=splits,
+    step = jax.jit(
+        lambda slots: attend_block(
+            q, k, v, cache_k=big_k, cache_v=big_v, prefix_lens=lens, layer=0, slots=slots, interpret=True, splits=splits
+        )
     )
+    got = step(jnp.array([7, -2, 4], jnp.int32))  # traced slots: not read on the host
     assert rows_read and set(rows_read) <= {0, 4}, sorted(set(rows_read))
     clamped = np.array([4, 0, 4])
     want = _reference(q, big_k[:, clamped], big_v[:, clamped], k, v, np.asarray(lens), 0)
     assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) < 1e-5
+
+
+def _small_inputs():
+    """L=2 layers, B=2 requests of S=3 rows, NH=4 heads over KVH=2, D=16, C=32, N=2 slots."""
+    return _inputs(7, layers=2, batch=2, rows=3, heads=4, kv_heads=2, dim=16, capacity=32)
+
+
+def _attend_block_cases():
+    q, ck, cv, k, v = _small_inputs()
+    lens = jnp.array([5, 9], jnp.int32)
+    ok = dict(q=q, k=k, v=v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=1, interpret=True)
+    f32 = jnp.float32
+    return [
+        ({"layer": 2}, ValueError, r"layer=2 is invalid: must be an integer in \[0, 2\)"),
+        ({"layer": -1}, ValueError, r"layer=-1 is invalid"),
+        ({"layer": 1.0}, ValueError, r"layer=1.0 is invalid: must be an integer"),
+        ({"layer": "1"}, ValueError, r"layer='1' is invalid"),
+        ({"prefix_lens": lens[:1]}, ValueError, r"prefix_lens has shape \(1,\): expected \[B\] = \(2,\)"),
+        ({"prefix_lens": lens.astype(f32)}, TypeError, "prefix_lens has dtype float32: expected an integer dtype"),
+        ({"prefix_lens": [5, 9]}, TypeError, "prefix_lens has type list"),
+        ({"prefix_lens": jnp.array([5, -1])}, ValueError, r"prefix_lens\[1\]=-1 is out of range: must be >= 0"),
+        ({"slots": jnp.array([0, 1, 1])}, ValueError, r"slots has shape \(3,\): expected \[B\] = \(2,\)"),
+        ({"slots": jnp.array([0.0, 1.0])}, TypeError, "slots has dtype float32: expected an integer dtype"),
+        ({"slots": jnp.array([0, 7])}, ValueError, r"slots\[1\]=7 is out of range: must be cache slot ids in \[0, 2\)"),
+        (
+            {"q": q[..., :8], "k": k[..., :8], "v": v[..., :8]},
+            ValueError,
+            r"queries' \(KVH, D\) = \(2, 8\) do not fit the cache's \(KVH, D\) = \(2, 16\)",
+        ),
+        ({"k": k[:, :, :1], "v": v[:, :, :1]}, ValueError, r"queries' \(KVH, D\) = \(1, 16\)"),
+        ({"q": q[:, :, :3]}, ValueError, r"NH a multiple of KVH"),
+        ({"v": v[:, :2]}, ValueError, r"v has shape \(2, 2, 2, 16\): expected \[B, S, KVH, D\] = \(2, 3, 2, 16\)"),
+        ({"q": q[0]}, ValueError, r"expected q \[B, S, NH, D\]"),
+        ({"cache_v": cv[:, :, :16]}, ValueError, r"cache_v has shape \(2, 2, 16, 2, 16\): expected cache_k's"),
+        ({"cache_k": ck[0], "cache_v": cv[0]}, ValueError, r"cache_k has shape \(2, 32, 2, 16\): expected \[L, N, C"),
+        ({"cache_k": ck.astype(jnp.int32), "cache_v": cv.astype(jnp.int32)}, TypeError, "cache_k has dtype int32"),
+        ({"cache_v": cv.astype(jnp.bfloat16)}, TypeError, "cache_v has dtype bfloat16: expected cache_k's float32"),
+        ({"q": q.astype(jnp.int32)}, TypeError, "q has dtype int32: expected a floating dtype"),
+        ({"interpret": "no"}, TypeError, "interpret='no' is invalid: must be True or False"),
+        ({"q": np.asarray(q).tolist()}, TypeError, "q has type list"),
+    ], ok
+
+
+@pytest.mark.parametrize("case", range(len(_attend_block_cases()[0])))
+def test_attend_block_refuses_bad_inputs_naming_them(case):
+    """Each would have read another layer, clamped a slot, truncated a float, broadcast a shape
+    or returned NaN (a shorter cache_v) without a word."""
+    cases, ok = _attend_block_cases()
+    change, error, message = cases[case]
+    kw = {**ok, **change}
+    with pytest.raises(error, match=message):
+        attend_block(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+def test_attend_block_takes_a_numpy_layer_and_traced_inputs():
+    q, ck, cv, k, v = _small_inputs()
+    lens, slots = jnp.array([5, 9], jnp.int32), jnp.array([1, 0], jnp.int32)
+    kw = dict(cache_k=ck, cache_v=cv, interpret=True)
+    want = attend_block(q, k, v, prefix_lens=lens, layer=1, slots=slots, **kw)
+    got = attend_block(q, k, v, prefix_lens=lens, layer=np.int64(1), slots=slots, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    traced = jax.jit(lambda *a: attend_block(q, k, v, prefix_lens=a[0], layer=1, slots=a[1], **kw))(lens, slots)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_context_attention_refuses_bad_inputs_naming_them():
+    q, ck, cv, _, _ = _small_inputs()
+    rows, group = row_layout(3, 2)
+    q5 = jnp.zeros((2, rows, 2, group, 16))  # [B, R, KVH, Gp, D]
+    lens = jnp.array([5, 9], jnp.int32)
+    cases = [
+        ((q5, ck, cv, lens), {"layer": 5}, ValueError, r"layer=5 is invalid: must be an integer in \[0, 2\)"),
+        ((q5, ck, cv, lens), {"layer": -3}, ValueError, r"layer=-3 is invalid"),
+        ((q5, ck, cv, lens.astype(jnp.float32)), {}, TypeError, "prefix_lens has dtype float32"),
+        ((q5, ck, cv, lens, jnp.array([0, 9])), {}, ValueError, r"slots\[1\]=9 is out of range"),
+        ((q5[..., :8], ck, cv, lens), {}, ValueError, r"queries' \(KVH, D\) = \(2, 8\)"),
+        ((q5[:, :, :1], ck, cv, lens), {}, ValueError, r"queries' \(KVH, D\) = \(1, 16\)"),
+        ((jnp.zeros((4, rows, 2, group, 16)), ck, cv, jnp.arange(4)), {}, ValueError, "N=2 slots and q B=4"),
+        ((q5, ck, cv[:, :, :16], lens), {}, ValueError, "cache_v has shape"),
+        ((q5, ck, cv, lens), {"interpret": "no"}, TypeError, "interpret='no' is invalid"),
+    ]
+    for args, kw, error, message in cases:
+        with pytest.raises(error, match=message):
+            context_attention(*args, **{"layer": 1, "interpret": True, **kw})

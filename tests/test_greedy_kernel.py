@@ -165,8 +165,12 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
     assert GreedyTuning(warps=2).warps_for(128) == 2
     assert GreedyTuning().prefetch_for(16) and not GreedyTuning().prefetch_for(32)  # README note 87
     assert GreedyTuning(prefetch=True).prefetch_for(128) and not GreedyTuning(prefetch=False).prefetch_for(16)
-    with pytest.raises(ValueError, match="prefetch='yes' is invalid: must be True, False or None"):
-        GreedyTuning(prefetch="yes")
+    for bad in ("yes", 1, 0.0):  # flags are bools, as alternate is: 1 and 0.0 are not read as True / False
+        with pytest.raises(TypeError, match=f"prefetch={bad!r} is invalid: must be True, False or None"):
+            GreedyTuning(prefetch=bad)
+    with pytest.raises(TypeError, match="alternate=1 is invalid"):
+        GreedyTuning(alternate=1)
+    assert GreedyTuning(warps=np.int64(8), tile=np.int64(64)) == GreedyTuning(warps=8, tile=64)
 
     z, w1, w2, base = _exact_inputs(2, 1, 64, 16, seed=0)
     zp = jnp.zeros((16, 16), z.dtype).at[:2].set(z)

@@ -1,13 +1,15 @@
 """kernel_choice: what each DSPARK_JAX_* value picks, on a GPU with and without Pallas's Triton
 backend (jax 0.11 deprecates it), the backend faked on this CPU."""
 
+import dataclasses
 import importlib.util
 import warnings
 
+import numpy as np
 import pytest
 
 from dspark_jax import kernel_choice
-from dspark_jax.kernel_choice import kernel_mode, triton_available
+from dspark_jax.kernel_choice import check_tile_layout, kernel_mode, triton_available
 
 VARIABLE = "DSPARK_JAX_TEST_KERNEL"
 
@@ -78,3 +80,34 @@ def test_off_gpu_pallas_runs_the_interpreter_whatever_triton(monkeypatch):
         assert kernel_mode(VARIABLE, True) == (True, True)
         monkeypatch.setenv(VARIABLE, "auto")
         assert kernel_mode(VARIABLE, True) == (False, False)
+
+
+def test_check_tile_layout_wants_integers_and_bool_flags():
+    """``4.0 in (1, 2, 4, 8)`` is true: a float warp count was accepted; NumPy integers are
+    integers (stored back as ints); a flag is a bool, not ``1``."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Layout:
+        tile: object = 64
+        warps: object = None
+        stages: object = 2
+        flag: object = True
+
+    def check(**kw):
+        layout = Layout(**kw)
+        check_tile_layout(layout, ("tile",), (1, 2, 4, 8), flags=("flag",))
+        return layout
+
+    assert check(tile=np.int64(64), warps=np.int32(4), stages=np.uint8(2)) == Layout(tile=64, warps=4, stages=2)
+    assert type(check(tile=np.int64(64)).tile) is int
+    for kw, message in (
+        ({"warps": 4.0}, "warps=4.0 is invalid: must be None or one of"),
+        ({"warps": True}, "warps=True is invalid"),
+        ({"tile": 64.0}, "tile=64.0 is invalid: must be a power of two >= 16"),
+        ({"tile": np.int64(48)}, r"tile=np.int64\(48\) is invalid: must be a power of two >= 16"),
+        ({"stages": 2.0}, r"stages=2.0 is invalid: must be an integer in \[1, 8\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check(**kw)
+    with pytest.raises(TypeError, match="flag=1 is invalid: must be True or False"):
+        check(flag=1)

@@ -133,3 +133,23 @@ def test_mlp_forward_is_the_module_through_the_kernel_and_refuses_a_bias():
     mlp.up_proj.bias = nnx.Param(jnp.ones((cfg.intermediate_size,), jnp.bfloat16))
     with pytest.raises(ValueError, match="up_proj has a bias"):
         mlp_forward(mlp, x, interpret=True)
+
+
+def test_swiglu_refuses_no_rows_a_string_flag_and_lists():
+    """``M = 0`` was a Pallas discharge error; ``interpret='no'`` ran the interpreter (a true string)."""
+    x, gate, up = _inputs(4, 32, 48)
+    with pytest.raises(ValueError, match=r"swiglu got x \(0, 32\): expected \[M, H\] with M >= 1 rows"):
+        swiglu(x[:0], gate, up, interpret=True)
+    with pytest.raises(TypeError, match="interpret='no' is invalid: must be True or False"):
+        swiglu(x, gate, up, interpret="no")
+    with pytest.raises(TypeError, match="swiglu: x has type list"):
+        swiglu(np.asarray(x, np.float32).tolist(), gate, up, interpret=True)
+
+
+def test_mlp_tuning_takes_numpy_integers_and_refuses_floats():
+    tuning = MlpTuning(tile=np.int64(64), warps=np.int32(2), stages=np.int64(3), rows=np.int16(32))
+    assert tuning == MlpTuning(tile=64, warps=2, stages=3, rows=32)
+    assert all(type(getattr(tuning, f)) is int for f in ("tile", "warps", "stages", "rows"))  # stored as ints
+    for field, value in (("warps", 4.0), ("warps", True), ("tile", 64.0), ("stages", 3.0)):
+        with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
+            MlpTuning(**{field: value})

@@ -22,7 +22,15 @@ def test_a_generous_timeout_waits_normally():
     assert float(y[-1]) == 1000.0
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1"])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1", np.float32("nan"), np.int64(0)])
 def test_bad_timeout_names_the_field(bad):
     with pytest.raises(ValueError, match="timeout_s"):
         spin_until_ready(jnp.ones(2), timeout_s=bad)
+
+
+def test_a_numpy_timeout_is_a_number_and_a_wrong_type_is_named():
+    """``np.float32(1.0)`` was refused as "not a positive number"."""
+    for timeout in (np.float32(1.0), np.int64(5), np.float64(0.5)):
+        assert float(spin_until_ready(jnp.ones(2), timeout_s=timeout)[0]) == 1.0
+    with pytest.raises(ValueError, match=r"timeout_s='1' \(type str\) is invalid: must be None or a number"):
+        spin_until_ready(jnp.ones(2), timeout_s="1")
