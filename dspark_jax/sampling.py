@@ -270,8 +270,16 @@ def inverse_temperatures(temperatures: jax.Array) -> jax.Array:
 
 
 def greedy_step(logits: jax.Array) -> jax.Array:
-    """``argmax`` over ``[B, V]`` (NaN counts as ``-inf``; lowest id on ties) → ``[B]`` int32."""
-    logits = logits.astype(jnp.float32)
+    """``argmax`` over ``[B, V]`` (NaN counts as ``-inf``; lowest id on ties) → ``[B]`` int32.
+
+    Raises:
+      ValueError: ``logits`` is not ``[B, V]`` with ``V >= 1`` (static).
+      TypeError: ``logits`` is not of a floating dtype.
+    """
+    if np.ndim(logits) != 2 or np.shape(logits)[1] < 1:
+        raise ValueError(f"logits has shape {tuple(np.shape(logits))}: expected [B, V] with V >= 1")
+    check_dtypes({"logits": (logits, jnp.floating)})
+    logits = jnp.asarray(logits).astype(jnp.float32)
     logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -594,6 +602,13 @@ def sample_step(
     blocks = -(-vocab // width)
     inverse_t = inverse_temperatures(clamp_temperatures(temperatures))[:, None]  # [B, 1]
     words = _key_words(row_keys(noise_keys, batch))  # [B, 2]
+    if race_dtype is not None:
+        try:
+            floating = jnp.issubdtype(jnp.dtype(race_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise TypeError(f"race_dtype={race_dtype!r} is invalid: must be a floating dtype or None")
     kept = logits if race_dtype is None else round_to(logits, race_dtype)  # -inf stays -inf
     x = kept * inverse_t  # logits / T
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # NaN (NaN logits; inf · 0 if 1/T flushed to 0) counts as -inf

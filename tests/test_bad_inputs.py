@@ -318,3 +318,17 @@ def test_a_corpus_or_power_sampler_of_bad_fields_is_refused(tmp_path):
     assert Corpus(root=str(tmp_path), **files).files("train") == ("a.py",)
     with pytest.raises(TypeError, match=re.escape("reader=5 is invalid: must be a Reader (read, power_limit_w)")):
         PowerSampler(reader=5)
+
+
+def test_greedy_step_wants_a_floating_batch_of_rows_and_sample_step_a_floating_race_dtype():
+    """A 1-D ``[V]`` gave a scalar and a 3-D input ``[1, B]``; ``race_dtype='nope'`` failed in NumPy."""
+    for shape in ((8,), (1, 2, 8), (2, 0)):
+        with pytest.raises(ValueError, match=re.escape(f"logits has shape {shape}: expected [B, V] with V >= 1")):
+            sampling.greedy_step(jnp.zeros(shape))
+    with pytest.raises(TypeError, match="logits has dtype int32: expected a floating dtype"):
+        sampling.greedy_step(jnp.zeros((2, 8), jnp.int32))
+    np.testing.assert_array_equal(sampling.greedy_step(jnp.array([[0.0, 2.0, 1.0], [3.0, 0.0, 3.0]])), [1, 0])
+    logits, temps, mask = jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, bool)
+    for bad in ("nope", jnp.int8):
+        with pytest.raises(TypeError, match="race_dtype=.* is invalid: must be a floating dtype or None"):
+            sampling.sample_step(logits, temps, mask, jax.random.key(0), race_dtype=bad)
