@@ -794,7 +794,10 @@ def draft_blocks(draft, target, tokens: jax.Array, anchors: jax.Array) -> dict[s
     def one_anchor(ids_a, pos_a, mask_a):
         return draft(ids_a, positions=pos_a, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=mask_a)
 
-    hidden = jax.vmap(one_anchor, in_axes=1, out_axes=1)(ids, block_pos, ctx_mask)  # [B, A, R, H]
+    if anchors.shape[1] == 1:  # XLA's CPU backend crashed (SIGSEGV) differentiating the vmap over one anchor
+        hidden = one_anchor(ids[:, 0], block_pos[:, 0], ctx_mask[:, 0])[:, None]  # [B, 1, R, H]
+    else:
+        hidden = jax.vmap(one_anchor, in_axes=1, out_axes=1)(ids, block_pos, ctx_mask)  # [B, A, R, H]
     n = b * anchors.shape[1]
     hidden = draft.slots(hidden.reshape(n, hidden.shape[2], hidden.shape[3]))  # [N, γ, H]
 

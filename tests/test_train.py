@@ -12,6 +12,7 @@ import pytest
 from draft_testing import TRAINING_TARGET
 from flax import nnx
 
+from dspark_jax import train
 from dspark_jax.corpus import is_held_out, list_stdlib_files, load_corpus
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.target_training import TargetTrainConfig, train_target
@@ -500,3 +501,33 @@ def test_a_malformed_training_checkpoint_is_named_with_its_path(tmp_path):
     (tmp_path / "train_state.json").write_text("{")
     with pytest.raises(ValueError, match=re.escape(f"{str(tmp_path / 'train_state.json')!r} is not valid JSON")):
         load_train_state(str(tmp_path), {})
+
+
+def test_one_anchor_per_sequence_gives_the_gradient_of_that_anchor_repeated(target):
+    """One anchor takes its own path (XLA's CPU backend crashed differentiating the vmap over a
+    single anchor, below); the same block twice has the same mean loss, so the same gradient."""
+    draft = train._new_draft(DRAFT_CFG, target, 0)
+    tcfg = _tcfg(anchors_per_seq=1)
+    tokens = jnp.asarray(TOKENS[:48].reshape(2, 24))
+
+    def grads(anchors):
+        def loss(d):
+            return draft_loss(d, target, tokens, jnp.asarray(anchors, jnp.int32), tcfg)[0]
+
+        return jax.tree.leaves(nnx.grad(loss)(draft))
+
+    for one, two in zip(grads([[5], [9]]), grads([[5, 5], [9, 9]]), strict=True):
+        np.testing.assert_allclose(one, two, rtol=2e-5, atol=1e-7)
+
+
+def test_training_with_one_anchor_per_sequence_runs_on_the_bundled_target():
+    """``train-draft --anchors 1`` on the bundled target killed the process (SIGSEGV in XLA's
+    CPU backend, differentiating ``draft_blocks``' vmap over one anchor)."""
+    from dspark_jax.target import load_target
+
+    bundled = load_target(os.path.join(os.path.dirname(train.__file__), "assets", "target"))
+    cfg = default_draft_config(bundled.config, mask_token_id=1, gamma=7, markov_rank=8, num_layers=1)
+    tokens = (np.arange(4000) * 7 % bundled.config.vocab_size).astype(np.int32)
+    tcfg = DraftTrainConfig(steps=1, batch_size=2, seq_len=32, anchors_per_seq=1)
+    result = train_draft(bundled, cfg, tokens, tcfg, progress=False)
+    assert np.isfinite(result.history["loss"]).all()
