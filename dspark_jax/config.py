@@ -479,6 +479,11 @@ def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(nested, dict):
         _fail("dflash_config", nested, "must be a dict")
     for name in ("block_size", "mask_token_id", "target_layer_ids"):
+        if name in hf and name in nested and hf[name] != nested[name]:
+            raise ValueError(
+                f"{name}={hf[name]!r} and dflash_config.{name}={nested[name]!r} disagree: a draft config must "
+                "give one value (they name the same setting)"
+            )
         if name in hf:
             kwargs[name] = hf[name]
         elif name in nested:

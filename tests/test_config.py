@@ -83,6 +83,17 @@ def test_nested_block_size_is_read_when_the_top_level_has_none():
     assert DraftConfig.from_hf_config(hf).gamma == 7
 
 
+def test_a_top_level_value_and_a_nested_one_that_disagree_are_refused():
+    """Which of the two won was nowhere written (the top level did); equal ones are fine."""
+    nested = {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [0]}
+    hf = {**QWEN3_8B, "num_hidden_layers": 1, "dflash_config": nested}
+    assert DraftConfig.from_hf_config({**hf, "block_size": 8, "target_layer_ids": [0]}).gamma == 7
+    for name, other in (("block_size", 16), ("mask_token_id", 6), ("target_layer_ids", [1])):
+        says = f"{name}={other!r} and dflash_config.{name}={nested[name]!r} disagree"
+        with pytest.raises(ValueError, match=re.escape(says)):
+            DraftConfig.from_hf_config({**hf, name: other})
+
+
 def speculators_dict(**extra) -> dict:
     return {
         "speculators_model_type": "dflash",

@@ -77,3 +77,22 @@ def test_load_bundled_refuses_a_draft_or_dtype_it_cannot_name():
         load_bundled(["dspark"])
     target, draft, tokenizer = load_bundled("dflash", dtype="bfloat16")
     assert draft.cfg.markov_rank == 0 and tokenizer.vocab_size == target.config.vocab_size
+
+
+def test_demo_says_no_when_plain_greedy_decoding_differs(capsys, monkeypatch):
+    """The demo's losslessness line compares the two outputs: plain decoding made to differ in
+    one token must print NO (a line hard-wired to yes passed the test above)."""
+    import dataclasses
+
+    from dspark_jax import generation
+
+    real = generation.generate
+
+    def one_token_off(*args, **kwargs):
+        result = real(*args, **kwargs)
+        first = [result.tokens[0][0] + 1, *result.tokens[0][1:]]
+        return dataclasses.replace(result, tokens=[first, *result.tokens[1:]])
+
+    monkeypatch.setattr(generation, "generate", one_token_off)
+    assert main(["demo", "--max-new", "16", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]) == 0
+    assert "greedy output identical to plain decoding: NO" in capsys.readouterr().out

@@ -146,3 +146,34 @@ def test_eval_with_the_bundled_drafts_swapped_names_each_by_its_kind(tmp_path, c
     assert main([*argv, *swapped, "--json", str(path)]) == 0
     assert "| DFlash-style / DSpark |" in capsys.readouterr().out
     assert list(json.loads(path.read_text())["results"]) == ["DFlash-style", "DSpark"]
+
+
+def test_heldout_prompts_open_right_after_a_newline_token():
+    """Each prompt starts at a token that follows one ending a line (a start one token early,
+    at the newline itself, passed the test above)."""
+    from dspark_jax.corpus import encode_documents
+
+    tok = load_tokenizer(TARGET_DIR)
+    stream = encode_documents(tok, load_corpus().texts("heldout"))
+    for p in heldout_prompts(tok, count=4, length=24, seed=3):
+        first = np.flatnonzero(stream[: stream.size - len(p) + 1] == p[0])
+        starts = [s for s in first if stream[s : s + len(p)].tolist() == p]
+        assert starts and any(s > 0 and "\n" in tok.decode([int(stream[s - 1])]) for s in starts), p[:4]
+
+
+def test_measure_tau_decodes_at_the_temperature_it_is_given():
+    """``measure_tau`` at T = 1 is ``speculative_generate`` at T = 1 with the seed's key (an
+    ``eval`` whose T = 1 column decoded greedily passed every other test)."""
+    import jax
+
+    from dspark_jax.bundled import load_bundled
+    from dspark_jax.evaluate import measure_tau
+    from dspark_jax.generation import speculative_generate
+
+    target, draft, tok = load_bundled("dspark")
+    prompts = [tok.encode("def add(a, b):\n"), tok.encode("import os\n\n\n")]
+    got = {t: measure_tau(target, draft, prompts, temperature=t, max_new_tokens=16, seed=4) for t in (0.0, 1.0)}
+    want = speculative_generate(target, draft, prompts, max_new_tokens=16, temperature=1.0, key=jax.random.key(4))
+    assert got[1.0]["tau"] == want.tau_overall
+    assert got[1.0]["acceptance_by_position"] == want.acceptance_by_position
+    assert got[0.0]["acceptance_by_position"] != got[1.0]["acceptance_by_position"]

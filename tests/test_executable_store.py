@@ -224,3 +224,17 @@ def test_saved_programs_are_readable_by_other_users_as_the_umask_allows(tmp_path
         os.umask(previous)
     (path,) = tmp_path.iterdir()
     assert path.suffix == ".dsx" and path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_draft_of_another_config_but_the_same_shapes_misses_the_store(filled, tmp_path):
+    """The config is part of every key: a mask id, RoPE base or norm epsilon is compiled into
+    the programs as a constant, so a draft with the same shapes must not load another's."""
+    draft, _, directory, _ = filled
+    for change in (dict(mask_token_id=draft.cfg.mask_token_id - 1), dict(rope_theta=draft.cfg.rope_theta * 2)):
+        other = random_draft(tiny_config(**CFG, **change), seed=0)
+        where = tmp_path / next(iter(change))
+        where.mkdir()
+        proposer = forced_proposer(other, copy_store(directory, where))
+        with CompileCounter() as counter:
+            proposer._compile_folded(1, False)
+        assert proposer.store.hits == 0 and counter.count == 2 + 1, change

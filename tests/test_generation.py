@@ -291,6 +291,108 @@ def test_early_stopping_request_leaves_the_others_unchanged(greedy_setup):
     assert stopped.tokens[5] == free.tokens[5][:1]
 
 
+STOP_TEMPS = [0.0, 1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 1.3]  # greedy and sampling rows, as in the test above
+
+
+@pytest.fixture(scope="module")
+def free_runs(greedy_setup):
+    """Eight mixed requests of 24 tokens without stop tokens, host loop and device loop, and
+    the speculative call that made them (a draft that is often rejected: keep = 0.7)."""
+    target, bigram, prompts, _, _ = greedy_setup
+    draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    run = functools.partial(
+        speculative_generate,
+        target,
+        draft,
+        prompts[:8],
+        max_new_tokens=24,
+        temperature=STOP_TEMPS,
+        key=jax.random.key(3),
+        capacity=CAPACITY,
+    )
+    free = {loop: run(device_loop=loop) for loop in (False, True)}
+    for out in free.values():
+        assert all(len(t) == 24 for t in out.tokens)
+        assert out.accept_length_counts[0] > 0 and out.accept_length_counts[-1] > 0  # rejections and full accepts
+    return target, prompts[:8], run, free
+
+
+@pytest.mark.parametrize("device_loop", [False, True], ids=["host-loop", "device-loop"])
+def test_a_stop_token_among_rejected_drafts_or_padding_does_not_end_a_request(free_runs, device_loop):
+    """Every row stops on every id it never emits: rejected drafts and the padding after the
+    bonus hold such ids, but only emitted tokens count, so nothing changes."""
+    _, _, run, free = free_runs
+    free = free[device_loop]
+    stops = [[v for v in range(V) if v not in free.tokens[b]] for b in range(8)]
+    assert all(stops) and all(0 in s for s in stops)  # the padding id 0 among them
+    stopped = run(stop_tokens=stops, device_loop=device_loop)
+    assert stopped.tokens == free.tokens
+    assert stopped.rounds == free.rounds
+    assert stopped.accept_length_counts == free.accept_length_counts
+
+
+@pytest.mark.parametrize("device_loop", [False, True], ids=["host-loop", "device-loop"])
+def test_a_stop_token_ends_decoding_at_the_round_that_emits_it(free_runs, device_loop):
+    """Each row stops at its third token: it takes part in no round after the one that
+    emitted it, so the call runs fewer rounds and commits at most γ tokens past the stops;
+    plain decoding stops at the step that emits it."""
+    target, prompts, run, free = free_runs
+    gamma = len(free[device_loop].accept_length_counts) - 1
+    free = free[device_loop]
+    stops = [[t[2]] for t in free.tokens]
+    stopped = run(stop_tokens=stops, device_loop=device_loop)
+    lengths = [t.index(s[0]) + 1 for t, s in zip(free.tokens, stops, strict=True)]
+    assert stopped.tokens == [t[:n] for t, n in zip(free.tokens, lengths, strict=True)]
+    # Every round a row takes part in commits >= 1 token, the first comes from the prefill.
+    after_start = sum(lengths) - len(lengths)
+    counts = np.asarray(stopped.accept_length_counts)
+    assert counts.sum() <= after_start
+    assert after_start <= counts @ np.arange(1, gamma + 2) <= after_start + len(lengths) * gamma
+    assert stopped.rounds <= max(lengths) - 1 < free.rounds
+    assert stopped.verified_tokens == (gamma + 1) * counts.sum()
+
+    plain = functools.partial(
+        generate, target, prompts, max_new_tokens=24, temperature=STOP_TEMPS, key=jax.random.key(3), capacity=CAPACITY
+    )
+    plain_free = plain(device_loop=device_loop)
+    assert plain_free.rounds == 23
+    stops = [[t[2]] for t in plain_free.tokens]
+    plain_stopped = plain(stop_tokens=stops, device_loop=device_loop)
+    lengths = [t.index(s[0]) + 1 for t, s in zip(plain_free.tokens, stops, strict=True)]
+    assert plain_stopped.tokens == [t[:n] for t, n in zip(plain_free.tokens, lengths, strict=True)]
+    assert plain_stopped.rounds == max(lengths) - 1  # row b emits token i at step i (0: the prefill)
+    assert plain_stopped.verified_tokens == sum(lengths) - len(lengths)
+
+
+def test_acceptance_by_position_is_the_fraction_of_rounds_accepting_at_least_k_drafts(free_runs):
+    """``acceptance_by_position[k − 1]``: request-rounds that accepted draft ``d_k``, i.e. whose
+    ``correct_len >= k``, over all request-rounds."""
+    _, _, _, free = free_runs
+    for out in free.values():
+        counts = np.asarray(out.accept_length_counts)
+        gamma = len(counts) - 1
+        want = [sum(int(counts[j]) for j in range(k, gamma + 1)) / int(counts.sum()) for k in range(1, gamma + 1)]
+        assert len(out.acceptance_by_position) == gamma
+        np.testing.assert_allclose(out.acceptance_by_position, want, rtol=1e-12)
+        assert out.acceptance_by_position[-1] > 0 and out.acceptance_by_position[0] < 1  # neither all nor none
+        assert np.all(np.diff(out.acceptance_by_position) <= 0)
+
+
+@pytest.mark.parametrize("device_loop", [False, True], ids=["host-loop", "device-loop"])
+def test_plain_verified_tokens_are_the_decode_steps_of_every_request(small_pair, device_loop):
+    """One token per request and decode step, the first (from the prefill) not counted:
+    ``Σ len(tokens) − B``, ``rounds · B`` when every request has the same max_new_tokens."""
+    target, _ = small_pair
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    run = functools.partial(generate, target, prompts, key=jax.random.key(0), device_loop=device_loop)
+    same = run(max_new_tokens=5)
+    assert [len(t) for t in same.tokens] == [5, 5, 5]
+    assert same.verified_tokens == 3 * 4 == same.rounds * 3
+    mixed = run(max_new_tokens=[5, 2, 3])
+    assert [len(t) for t in mixed.tokens] == [5, 2, 3]
+    assert mixed.verified_tokens == (5 - 1) + (2 - 1) + (3 - 1)
+
+
 # ---------------------------------------------------------------- lossless sampling
 SV, PROMPT = 6, [1, 4, 2]
 

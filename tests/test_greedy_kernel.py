@@ -182,3 +182,27 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
         greedy_tiles(zp.astype(jnp.float32), w2.astype(jnp.float32), base, 0, batch=2, interpret=True)
     with pytest.raises(TypeError, match="tuning="):
         greedy_tiles(zp, w2, base, 0, batch=2, interpret=True, tuning="fast")
+
+
+def test_the_kernel_rounds_the_bias_to_the_tables_dtype_as_the_xla_walk_does():
+    """Token 200's float32 bias is 1 + 2⁻¹⁰, token 3's is 1: in bf16 both round to 1, a tie
+    the lower id wins (as in the XLA walk, whose head GEMM outputs bf16); a kernel that kept
+    the float32 sum would pick 200 (the exact inputs of the test above never parted there)."""
+    rank, vocab, low, high = 32, 256, 3, 200
+    z = np.zeros((1, rank))
+    z[0, :2] = [1.0, 2.0**-10]
+    w2 = np.zeros((vocab, rank))
+    w2[low, 0] = 1.0
+    w2[high, :2] = [1.0, 1.0]
+    base = np.full((1, 1, vocab), -8.0)
+    base[0, 0, [low, high]] = 0.0
+    z, w2, base = (jnp.asarray(x, jnp.bfloat16) for x in (z, w2, base))
+    assert float(z[0, 1]) == 2.0**-10  # exact in bf16
+    zp = jnp.zeros((padded_rows(1), rank), z.dtype).at[:1].set(z)
+    top, idx = greedy_tiles(zp, w2, base, 0, batch=1, interpret=INTERPRET, tuning=GreedyTuning(tile=64, chunk=16))
+    tokens, _ = pick_tiles(top, idx, w2, batch=1, interpret=INTERPRET)
+    assert int(tokens[0]) == low
+    assert (
+        int(_np_argmax(np.asarray(base[:, 0], np.float64), np.asarray(z, np.float64) @ np.asarray(w2, np.float64).T)[0])
+        == low
+    )

@@ -17,10 +17,11 @@ from dspark_jax import packed_inputs
 from dspark_jax import proposer as proposer_module
 from dspark_jax.cache import init_context_cache
 from dspark_jax.memory_gate import ENV_VAR, FoldedSampling
+from dspark_jax.packed_inputs import sampling_rows
 from dspark_jax.proposal import propose
 from dspark_jax.proposer import CompileCounter, Proposer, batch_buckets
 from dspark_jax.race_kernel import use_race_kernel
-from dspark_jax.sampling import TOP_K_ALL
+from dspark_jax.sampling import TOP_K_ALL, greedy_rows
 from dspark_jax.split_round import BACKBONE_GEMM_ENV
 
 
@@ -618,6 +619,26 @@ def test_the_mode_of_device_inputs_is_read_once_per_pair_of_arrays(forced, monke
     assert proposer._mode_of(temps, top_k) is True
     with pytest.raises(AssertionError, match="read again"):
         proposer._mode_of(jnp.array([0.0, 0.8]), top_k)  # equal values, another array: read
+
+
+def test_the_mode_is_read_again_when_only_top_k_changes(forced):
+    """The kept mode is keyed on both arrays: the same temperatures with a new top-k (all 1,
+    then 50) must take the sampling round, and back."""
+    _, proposer, _ = forced
+    temps = jnp.array([0.8, 0.8])
+    assert proposer._mode_of(temps, jnp.array([1, 1])) is False
+    assert proposer._mode_of(temps, jnp.array([50, 50])) is True
+    assert proposer._mode_of(temps, jnp.array([1, 1])) is False
+
+
+def test_host_sampling_rows_are_the_complement_of_greedy_rows():
+    """``packed_inputs.sampling_rows`` (the host's mode read) against ``sampling.greedy_rows``
+    (the programs' own) on every kind of row: top-k 0, 1, 2, huge; temperature 0, 0.5, NaN."""
+    ks = np.array([0, 1, 2, TOP_K_ALL] * 3, np.int32)
+    temps = np.repeat(np.array([0.0, 0.5, np.nan], np.float32), 4)
+    want = ~np.asarray(greedy_rows(jnp.asarray(temps), jnp.asarray(ks)))
+    np.testing.assert_array_equal(sampling_rows(ks, temps), want)
+    assert want.sum() == 2  # top-k 2 and huge at T 0.5
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -97,14 +97,20 @@ def _rope(x, pos, theta):  # x [S, heads, D]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _numpy_forward(t: dict[str, np.ndarray], cfg: TargetConfig, tokens: list[int]) -> np.ndarray:
-    """Logits ``[S, V]`` of one sequence, written from the Qwen3 equations."""
+def _numpy_forward(t: dict[str, np.ndarray], cfg: TargetConfig, tokens: list[int], *, residuals: list | None = None):
+    """Logits ``[S, V]`` of one sequence, written from the Qwen3 equations.
+
+    ``residuals``, when given, receives the residual stream ``[S, H]``: the embeddings,
+    then the stream after each layer (before any norm), ``L + 1`` arrays.
+    """
     t = {k: v.astype(np.float64) for k, v in t.items()}
     eps, d = cfg.rms_norm_eps, cfg.head_dim
     nh, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
     s = len(tokens)
     pos = np.arange(s, dtype=np.float64)
     x = t["model.embed_tokens.weight"][tokens]
+    if residuals is not None:
+        residuals.append(x)
     causal = np.tril(np.ones((s, s), bool))
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -128,6 +134,8 @@ def _numpy_forward(t: dict[str, np.ndarray], cfg: TargetConfig, tokens: list[int
         m = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
         gate = lin(m, "mlp.gate_proj")
         x = x + lin(gate / (1 + np.exp(-gate)) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+        if residuals is not None:
+            residuals.append(x)
     head = t["model.embed_tokens.weight"] if cfg.tie_word_embeddings else t["lm_head.weight"]
     return _rms(x, t["model.norm.weight"], eps) @ head.T
 
@@ -169,6 +177,28 @@ def test_hand_written_hf_checkpoint_matches_numpy_forward(tmp_path, kw):
     tokens = [3, 17, 0, 9, 9, 12, 5]
     np.testing.assert_allclose(_logits(target, tokens), _numpy_forward(tensors, cfg, tokens), atol=2e-4, rtol=2e-4)
     assert (target.head is None) == cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("layers", [(-1, 0, 1, 3), (3, -1, 2)], ids=["in-order", "shuffled"])
+def test_features_are_the_residual_stream_before_any_norm(tmp_path, layers):
+    """``feature_layers`` taps, concatenated in the order asked: −1 the embeddings (unscaled),
+    layer ``i`` the residual stream after it (before the next layer's input_layernorm, and
+    for the last layer before the final norm), each checked against the NumPy forward."""
+    cfg = _cfg(num_hidden_layers=4)
+    tensors = _hf_tensors(cfg, seed=4)
+    _write_hf(tmp_path, cfg, tensors)
+    target = load_target(tmp_path)
+    tokens = [3, 17, 0, 9, 9, 12, 5]
+    residuals = []
+    want_logits = _numpy_forward(tensors, cfg, tokens, residuals=residuals)
+    assert len(residuals) == cfg.num_hidden_layers + 1
+    logits, features, _ = _forward(
+        target, [tokens], np.arange(len(tokens))[None], target.init_cache(1, 8), feature_layers=layers
+    )
+    assert features.shape == (1, len(tokens), len(layers) * H)
+    want = np.concatenate([residuals[i + 1] for i in layers], axis=-1)
+    np.testing.assert_allclose(np.asarray(features[0]), want, atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(logits[0]), want_logits, atol=2e-4, rtol=2e-4)
 
 
 def test_cached_incremental_decoding_equals_full_forward():

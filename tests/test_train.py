@@ -531,3 +531,43 @@ def test_training_with_one_anchor_per_sequence_runs_on_the_bundled_target():
     tcfg = DraftTrainConfig(steps=1, batch_size=2, seq_len=32, anchors_per_seq=1)
     result = train_draft(bundled, cfg, tokens, tcfg, progress=False)
     assert np.isfinite(result.history["loss"]).all()
+
+
+def test_acceptance_stats_chain_the_slots_acceptances_as_written():
+    """Hand-made blocks, ``γ = 2``: slot 0's draft puts all its mass on the target's first
+    choice of two equal ones (accept ½, argmax match), slot 1's on the target's second choice
+    (accept p₀, no match); τ chains them: ``1 + a₀ + a₀a₁``, greedy ``1 + 1 + 1·0``."""
+    p1 = 1.0 / (1.0 + np.e)  # softmax([0, 1])[0]
+    blocks = {
+        "corrected": jnp.array([[[0.0, -jnp.inf], [0.0, -jnp.inf]]]),  # q = [1, 0] at both slots
+        "target_logits": jnp.array([[[0.0, 0.0], [0.0, 1.0]]]),
+    }
+    stats = train.acceptance_stats(blocks)
+    np.testing.assert_allclose(stats["accept_t1"], [0.5, p1], rtol=1e-6)
+    np.testing.assert_array_equal(stats["match_greedy"], [1.0, 0.0])
+    np.testing.assert_allclose(float(stats["tau_t1"]), 1.0 + 0.5 + 0.5 * p1, rtol=1e-6)
+    assert float(stats["tau_greedy"]) == 2.0
+
+
+def test_distillation_data_is_half_greedy_half_sampled():
+    """Even rows are the target's greedy continuation, odd rows its T = 1 samples (DeepSpec
+    trains on both); an all-greedy draw passed every other test. An untrained target: flat
+    enough that a T = 1 draw leaves the argmax."""
+    from dspark_jax.generation import generate
+    from dspark_jax.target import Qwen3Target
+
+    target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(5))
+    out = distillation_data(target, TOKENS, count=4, seq_len=20, prompt_len=6, seed=3)
+    prompts = out[:, :6].tolist()
+    greedy = generate(target, prompts, max_new_tokens=14, temperature=0.0, key=jax.random.key(0))
+    same = [out[j, 6:].tolist() == greedy.tokens[j] for j in range(4)]
+    assert same[0] and same[2]
+    assert not (same[1] and same[3])  # a T = 1 draw that follows the argmax 28 times: p ≈ 0
+    sampled = generate(
+        target,
+        prompts,
+        max_new_tokens=14,
+        temperature=[0.0, 1.0, 0.0, 1.0],
+        key=jax.random.fold_in(jax.random.key(3), 0),
+    )
+    np.testing.assert_array_equal(out[:, 6:], np.asarray(sampled.tokens))
