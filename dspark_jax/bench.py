@@ -36,6 +36,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -501,23 +502,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timing-out", default=None, help=argparse.SUPPRESS)
 
 
+def _xla_refusal(flags: str) -> str | None:
+    """XLA's reason for refusing ``XLA_FLAGS=flags`` (its first error line), or None: tried in a
+    child process on the CPU backend, which takes no accelerator memory."""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, check=False
+    )
+    if child.returncode == 0:
+        return None
+    logged = [line.split("] ", 1)[-1] for line in child.stderr.splitlines() if re.match(r"[EF]\d{4} ", line)]
+    return logged[0] if logged else f"exit status {child.returncode}"
+
+
 def check_xla_flags(flags: str) -> None:
     """Refuses ``--xla-flags`` that XLA would abort the process on, naming the flag.
 
     XLA reads ``XLA_FLAGS`` when the first backend starts and aborts on a name it does not
-    know; a child process on the CPU backend (no accelerator memory taken) tries them first.
+    know or a value it cannot read; a child process tries them first (about 3 s).
 
     Raises:
-      ValueError: XLA refused the flags, with XLA's own line.
+      ValueError: XLA refused the flags, with XLA's own reason; the environment's
+        ``XLA_FLAGS`` is named instead where XLA refuses it alone.
     """
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
-    child = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, check=False
-    )
-    if child.returncode != 0:
-        lines = [line for line in child.stderr.splitlines() if "flag" in line.lower()] or child.stderr.splitlines()
-        said = lines[-1].split("] ", 1)[-1] if lines else f"exit status {child.returncode}"
-        raise ValueError(f"--xla-flags {flags!r}: XLA refuses it ({said})")
+    inherited = os.environ.get("XLA_FLAGS", "").strip()
+    said = _xla_refusal(f"{inherited} {flags}".strip())
+    if said is None:
+        return
+    if inherited and (alone := _xla_refusal(inherited)) is not None:
+        raise ValueError(f"the XLA_FLAGS environment variable {inherited!r}: XLA refuses it ({alone})")
+    raise ValueError(f"--xla-flags {flags!r}: XLA refuses it ({said})")
 
 
 def run(args: argparse.Namespace) -> int:

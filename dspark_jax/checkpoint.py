@@ -90,7 +90,7 @@ class _TensorFiles:
         self.folder = folder
         stored = read_index(folder)
         if stored is None:
-            paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+            paths = sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
             if not paths:
                 raise ValueError(
                     f"checkpoint folder {folder!r} has no {WEIGHTS_NAME}, no {INDEX_NAME} and no *.safetensors file"

@@ -107,6 +107,11 @@ def check_checkpoint(flag: str, path: str, *, tokenizer: bool = False) -> None:
       ValueError: naming ``flag``, ``path``, what is wrong and what was expected.
     """
     files = ("config.json", "tokenizer.json") if tokenizer else ("config.json",)
+    if os.path.isdir(path):  # a save cut short while moving its files may hold config.json back
+        from dspark_jax.safetensors_io import finish_interrupted_save
+
+        with loading(flag, path):
+            finish_interrupted_save(path)
     if not os.path.exists(path):
         problem = "does not exist"
     elif not os.path.isdir(path):

@@ -87,14 +87,20 @@ def _tokens_per_second(result: GenerationResult) -> float:
     return sum(len(t) for t in result.tokens) / result.seconds
 
 
-def check_prompt_ids(prompts: list[list[int]], args: argparse.Namespace, vocab_size: int) -> None:
-    """Refuses prompts whose token ids the tokenizer gives past the target's vocabulary.
+def check_prompt_ids(prompts: list[list[int]], args: argparse.Namespace, vocab_size: int, tokenizer_size: int) -> None:
+    """Refuses a tokenizer with more ids than the target's vocabulary (the target would emit
+    ids it decodes as other text, or a stop id it never emits), and prompts it encodes past it.
 
     Raises:
       ValueError: naming the tokenizer's flag and path, the prompt, the id and the
         target's vocabulary size.
     """
     flag, path = ("--tokenizer", args.tokenizer) if args.tokenizer else ("--target", args.target)
+    if tokenizer_size > vocab_size:
+        raise ValueError(
+            f"the tokenizer of {flag} {path!r} has {tokenizer_size} ids, more than the --target's vocabulary of "
+            f"{vocab_size}: give the tokenizer the target was trained with"
+        )
     for text, ids in zip(args.prompt, prompts, strict=True):
         outside = [i for i in ids if not 0 <= i < vocab_size]
         if outside:
@@ -105,7 +111,9 @@ def check_prompt_ids(prompts: list[list[int]], args: argparse.Namespace, vocab_s
 
 
 def run(args: argparse.Namespace) -> int:
-    check_checkpoint("--target", args.target, tokenizer=not args.tokenizer)
+    if args.tokenizer == "":
+        raise ValueError("--tokenizer '' is invalid: give a tokenizer.json or its folder, or leave the flag out")
+    check_checkpoint("--target", args.target, tokenizer=args.tokenizer is None)
     check_checkpoint("--draft", args.draft)
     with loading("--tokenizer" if args.tokenizer else "--target", args.tokenizer or args.target):
         tokenizer = load_tokenizer(args.tokenizer or args.target)
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         draft = load_draft(args.draft, target=target, dtype=args.dtype)
     check_pair(draft.cfg, target.config)
     prompts = [tokenizer.encode(text) for text in args.prompt]
-    check_prompt_ids(prompts, args, target.config.vocab_size)
+    check_prompt_ids(prompts, args, target.config.vocab_size, tokenizer.vocab_size)
     limits = {"target": target.config.max_position_embeddings, "draft": draft.cfg.max_position_embeddings}
     check_prompts(
         prompts,

@@ -12,6 +12,7 @@ floating point, finite after the cast) are shared.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import json
 import os
@@ -124,7 +125,8 @@ def cast_weight(name: str, value: np.ndarray, dtype: Any, path: str) -> jax.Arra
 def _checkpoint_files(folder: str) -> set[str]:
     """The names of the tensor files in ``folder``: ``model.safetensors``, its index and shards."""
     patterns = (WEIGHTS_NAME, INDEX_NAME, "model-*-of-*.safetensors")
-    return {os.path.basename(p) for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))}
+    where = glob.escape(folder)  # a folder named like "run[1]" is not a pattern
+    return {os.path.basename(p) for pattern in patterns for p in glob.glob(os.path.join(where, pattern))}
 
 
 STAGING_PREFIX = ".saving-"
@@ -135,7 +137,7 @@ def _move_into_place(folder: str, staging: str) -> None:
     """Moves a complete staging folder's files into ``folder`` as its journal lists them,
     removes the old layout's leftovers, then the staging folder. Idempotent: a file already
     moved or removed (by an earlier, interrupted call) is skipped."""
-    journal = read_json_file(os.path.join(staging, JOURNAL_NAME))
+    journal = _read_journal(staging)
     for file in journal["files"]:
         with contextlib.suppress(FileNotFoundError):
             os.replace(os.path.join(staging, file), os.path.join(folder, file))
@@ -143,6 +145,29 @@ def _move_into_place(folder: str, staging: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, file))
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_journal(staging: str) -> dict[str, list[str]]:
+    """A staging folder's journal, every entry a plain file name a save writes (a checkpoint's
+    tensor files, its index, ``*.json``): a journal naming ``../x`` or ``/x`` would move or
+    delete files outside the checkpoint folder.
+
+    Raises:
+      ValueError: the journal is malformed or names any other path.
+    """
+    path = os.path.join(staging, JOURNAL_NAME)
+    journal = read_json_file(path)
+    if not isinstance(journal, dict) or not all(isinstance(journal.get(k), list) for k in ("files", "stale")):
+        raise ValueError(f"{path!r} is not a save journal: expected {{'files': [...], 'stale': [...]}}")
+    for key in ("files", "stale"):
+        for name in journal[key]:
+            ok = isinstance(name, str) and os.path.basename(name) == name and name not in ("", ".", "..")
+            if not (ok and (fnmatch.fnmatchcase(name, "*.json") or fnmatch.fnmatchcase(name, "*.safetensors"))):
+                raise ValueError(
+                    f"{path!r} lists {key} entry {name!r}: a save journal names only checkpoint files in the folder "
+                    "(*.safetensors, *.json)"
+                )
+    return journal
 
 
 def finish_interrupted_save(folder: str) -> list[str]:

@@ -345,6 +345,12 @@ def test_an_xla_flag_xla_does_not_know_is_refused_by_name(monkeypatch):
         bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--xla-flags=--xla_no_such_flag=1"])
     assert "XLA_FLAGS" not in os.environ
     bench.check_xla_flags("--xla_gpu_enable_pdl=true")  # a known flag passes, GPU-only or not
+    bad_value = "--xla_cpu_enable_fast_math=abc"  # XLA's reason, not a line of its flag list
+    with pytest.raises(ValueError, match=re.escape("Couldn't interpret value abc for flag xla_cpu_enable_fast_math")):
+        bench.check_xla_flags(bad_value)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_not_a_flag=2")  # the environment's own, named as such
+    with pytest.raises(ValueError, match=re.escape("the XLA_FLAGS environment variable '--xla_not_a_flag=2'")):
+        bench.check_xla_flags("--xla_gpu_enable_pdl=true")
 
 
 def test_zero_or_negative_counts_are_refused_not_replaced_by_the_preset():

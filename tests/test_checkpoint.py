@@ -178,6 +178,57 @@ def test_a_cut_short_save_that_cannot_be_finished_is_named(tmp_path, monkeypatch
     assert not staging.exists()
 
 
+@pytest.mark.parametrize("entry", ["../victim.safetensors", "/tmp/elsewhere.json", "sub/model.safetensors", "x.py"])
+def test_a_journal_naming_a_path_outside_the_folder_is_refused_and_nothing_is_touched(entry, tmp_path):
+    """A journal is read from the folder it finishes: ``"stale": ["../victim.txt"]`` deleted that
+    file during an ordinary load."""
+    folder = tmp_path / "ckpt"
+    draft = random_draft(tiny_config(), seed=5)
+    save_draft(draft, folder, include_borrowed=True)
+    victim = tmp_path / "victim.safetensors"
+    victim.write_text("keep me")
+    staging = folder / ".saving-x"
+    staging.mkdir()
+    (staging / safetensors_io.JOURNAL_NAME).write_text(json.dumps({"files": [], "stale": [entry]}))
+    with pytest.raises(ValueError, match=re.escape(f"lists stale entry {entry!r}: a save journal names only")):
+        load_draft(folder)
+    assert victim.read_text() == "keep me" and staging.exists()
+
+
+def test_a_folder_named_like_a_glob_pattern_loses_its_old_layout_on_a_new_save(tmp_path):
+    """In ``run[1]`` the old index was not found (its name read as a pattern) and stayed beside
+    the new single file: loads read the old weights through it."""
+    folder = tmp_path / "run[1]"
+    old, new = random_draft(tiny_config(), seed=5), random_draft(tiny_config(), seed=6)
+    save_draft(old, folder, include_borrowed=True, max_shard_bytes=8_000)
+    save_draft(new, folder, include_borrowed=True)
+    assert sorted(os.listdir(folder)) == ["config.json", WEIGHTS_NAME]
+    assert_identical(new, load_draft(folder))
+
+
+def test_the_commands_checkpoint_check_finishes_a_first_save_cut_short(tmp_path, monkeypatch):
+    """A folder whose first save was killed before ``config.json`` moved was refused as
+    having no ``config.json`` before the loader could finish the move."""
+    from dspark_jax.cli import check_checkpoint
+
+    real = os.replace
+
+    def replace(src, dst):  # killed at the first file moved into place
+        if os.path.dirname(dst) == str(tmp_path):
+            raise _Killed
+        return real(src, dst)
+
+    draft = random_draft(tiny_config(), seed=5)
+    monkeypatch.setattr(safetensors_io.os, "replace", replace)
+    with pytest.raises(_Killed):
+        save_draft(draft, tmp_path, include_borrowed=True)
+    monkeypatch.undo()
+    assert not (tmp_path / "config.json").exists()
+    with pytest.warns(UserWarning, match="finished a save that was cut short"):
+        check_checkpoint("--draft", str(tmp_path))
+    assert_identical(draft, load_draft(tmp_path))
+
+
 def checkpoint_files(folder):
     return [p for p in os.listdir(folder) if p.endswith(".safetensors")]
 

@@ -187,9 +187,11 @@ def test_a_tokenizer_with_ids_past_the_target_vocabulary_is_named(tmp_path, caps
     text = "zebra quokka"
     ids = big.encode(text)
     assert max(ids) >= 270  # a merge the target's vocabulary does not hold
-    code = main([*argv, "--tokenizer", str(tmp_path / "big"), "--prompt", text, "--max-new-tokens", "2"])
-    assert code == 2
-    err = capsys.readouterr().err
-    first = next(i for i in ids if i >= 270)
-    assert f"the tokenizer of --tokenizer {str(tmp_path / 'big')!r} encodes --prompt {text!r} to id {first}" in err
-    assert "vocabulary of 270 ids" in err
+    for prompt in (text, "the cat"):  # ids past the vocabulary or not: the tokenizer itself is wrong
+        code = main([*argv, "--tokenizer", str(tmp_path / "big"), "--prompt", prompt, "--max-new-tokens", "2"])
+        assert code == 2
+        err = capsys.readouterr().err
+        want = f"the tokenizer of --tokenizer {str(tmp_path / 'big')!r} has {big.vocab_size} ids, more than the "
+        assert want + "--target's vocabulary of 270" in err, err
+    assert main([*argv, "--tokenizer", "", "--prompt", text]) == 2
+    assert "--tokenizer '' is invalid: give a tokenizer.json or its folder" in capsys.readouterr().err
