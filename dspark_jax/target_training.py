@@ -48,6 +48,7 @@ from dspark_jax.train import (
     fit,
     optimizer_for,
     positive_seconds,
+    recorded_value,
     sample_windows,
 )
 
@@ -375,7 +376,9 @@ def run(args: argparse.Namespace) -> int:
         "steps_done": result.step,
         "train_seconds": seconds,
         "train_tokens": int(tokens.size),
-        "final_train_loss": result.history["loss"][-1] if result.history["loss"] else None,
+        "final_train_loss": (
+            result.history["loss"][-1] if result.history.get("loss") else recorded_value(args.out, "final_train_loss")
+        ),
         "heldout_loss": held,
         "corpus": corpus.provenance(),
         "tokenizer_vocab_size": tokenizer.vocab_size,

@@ -454,6 +454,18 @@ def check_output_folder(out: str, *, resume: bool, flag: str = "--out", resumabl
         raise ValueError(f"{flag} {out!r} already holds a model ({', '.join(held)}): give a new folder{hint}")
 
 
+def recorded_value(out: str, field: str) -> Any:
+    """``field`` of the ``training.json`` an earlier run wrote in ``out``, or None: what a resumed
+    run with no step left to run (and no metrics in its checkpoint, written before checkpoints
+    kept them) records instead of nothing."""
+    path = os.path.join(out, "training.json")
+    try:
+        info = read_json_file(path) if os.path.isfile(path) else None
+    except ValueError:  # unreadable: nothing to carry over
+        return None
+    return info.get(field) if isinstance(info, dict) else None
+
+
 def cast_params(module: nnx.Module, dtype: str) -> None:
     """Casts every ``nnx.Param`` of ``module`` in place (float leaves only).
 
@@ -1488,7 +1500,11 @@ def run(args: argparse.Namespace) -> int:
         "distilled_sequences": args.distill,
         "distilled_sha256": hashlib.sha256(distilled.tobytes()).hexdigest() if distilled is not None else None,
         "train_seconds": seconds,
-        "final_metrics": {k: v[-1] for k, v in result.history.items()} if result.history else {},
+        "final_metrics": (
+            {k: v[-1] for k, v in result.history.items()}
+            if result.history
+            else recorded_value(args.out, "final_metrics") or {}
+        ),
         "heldout_teacher_forced": stats,
         "sts_calibration": calibration,
         "corpus": corpus.provenance(),

@@ -728,3 +728,15 @@ def test_resuming_a_finished_run_reports_the_loss_it_ended_with(tmp_path):
     assert done == 3 and first["loss"] == [10.0, 9.0, 8.0]
     _, again, done = run(resume=True)  # nothing left to run
     assert done == 3 and again == {"loss": [8.0]}
+
+
+def test_a_resumed_run_with_nothing_to_run_keeps_what_training_json_recorded(tmp_path):
+    """Checkpoints written before they kept their metrics: a resumed, finished run carries the
+    earlier ``training.json``'s values over instead of writing null."""
+    assert train.recorded_value(str(tmp_path), "final_train_loss") is None  # no file
+    (tmp_path / "training.json").write_text(json.dumps({"final_train_loss": 1.25, "final_metrics": {"loss": 2.0}}))
+    assert train.recorded_value(str(tmp_path), "final_train_loss") == 1.25
+    assert train.recorded_value(str(tmp_path), "final_metrics") == {"loss": 2.0}
+    assert train.recorded_value(str(tmp_path), "absent") is None
+    (tmp_path / "training.json").write_text("{not json")
+    assert train.recorded_value(str(tmp_path), "final_train_loss") is None
