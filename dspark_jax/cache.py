@@ -29,7 +29,7 @@ from flax import struct
 
 from dspark_jax.config import DraftConfig, positive_int
 from dspark_jax.draft import DSparkDraft, check_draft
-from dspark_jax.sampling import check_dtypes
+from dspark_jax.sampling import check_dtypes, check_values
 
 
 @struct.dataclass
@@ -154,12 +154,8 @@ def context_mask(prefix_lens: jax.Array, capacity: int) -> jax.Array:
     capacity = positive_int("capacity", capacity)
     if np.ndim(prefix_lens) != 1:
         raise ValueError(f"prefix_lens has shape {tuple(np.shape(prefix_lens))}: expected [B], one length per request")
-    if not isinstance(prefix_lens, jax.core.Tracer):
-        lens = np.asarray(prefix_lens)
-        outside = (lens < np.iinfo(np.int32).min) | (lens > np.iinfo(np.int32).max)
-        if outside.any():
-            i = int(np.argmax(outside))
-            raise ValueError(f"prefix_lens[{i}]={int(lens[i])} is invalid: must fit int32")
+    int32 = np.iinfo(np.int32)
+    check_values({"prefix_lens": (prefix_lens, (lambda n: (n >= int32.min) & (n <= int32.max), "must fit int32"))})
     return jnp.arange(capacity, dtype=jnp.int32)[None, :] < jnp.asarray(prefix_lens, jnp.int32)[:, None]
 
 

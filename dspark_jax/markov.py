@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DraftConfig
+from dspark_jax.sampling import check_dtypes
 
 
 class MarkovHead(nnx.Module):
@@ -259,16 +260,15 @@ def _check_walk_inputs(head, base_logits, hidden, bonus, keep_dtype) -> None:
         raise ValueError(f"base_logits has V={vocab}: the Markov head's tables have {head.markov_w2.shape[0]} rows (V)")
     if tuple(np.shape(bonus)) != (batch,):
         raise ValueError(f"bonus has shape {tuple(np.shape(bonus))}: expected [B] = ({batch},)")
-    for name, value, kind in (
-        ("base_logits", base_logits, jnp.floating),
-        ("hidden", hidden, jnp.floating),
-        ("bonus", bonus, jnp.integer),
-    ):
+    arrays = {
+        "base_logits": (base_logits, jnp.floating),
+        "hidden": (hidden, jnp.floating),
+        "bonus": (bonus, jnp.integer),
+    }
+    for name, (value, _) in arrays.items():
         if not hasattr(value, "dtype"):
             raise TypeError(f"{name} is a {type(value).__name__}: expected an array")
-        if not jnp.issubdtype(value.dtype, kind):
-            kind_name = "an integer" if kind is jnp.integer else "a floating"
-            raise TypeError(f"{name} has dtype {value.dtype}: expected {kind_name} dtype")
+    check_dtypes(arrays)
     if not jnp.issubdtype(jnp.dtype(keep_dtype), jnp.floating):
         raise TypeError(f"keep_dtype={keep_dtype!r} is invalid: must be a floating dtype")
     if not isinstance(bonus, jax.core.Tracer):

@@ -231,6 +231,25 @@ def check_dtypes(fields: dict[str, tuple[Any, type]]) -> None:
             raise TypeError(f"{name} has dtype {dtype_of(value)}: expected {_DTYPE_KINDS[kind]}")
 
 
+def check_values(fields: dict[str, tuple[Any, tuple[Any, str]]]) -> None:
+    """ValueError for the first ``name: (value, (valid, allowed))`` holding an entry ``valid``
+    refuses, naming it (``top_k[3]=0``); None values are skipped.
+
+    Only concrete values are read: a tracer (the library's compiled rounds) is skipped, as in
+    ``Qwen3Target.__call__``, so nothing is added to a traced program.
+    """
+    for name, (value, (valid, allowed)) in fields.items():
+        if value is None or isinstance(value, jax.core.Tracer):
+            continue
+        values = np.asarray(value)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = valid(values)
+        if not ok.all():
+            index = np.unravel_index(int(np.argmin(ok)), values.shape)
+            at = f"[{', '.join(str(i) for i in index)}]" if index else ""
+            raise ValueError(f"{name}{at}={values[index]} is invalid: {allowed}")
+
+
 def greedy_rows(temperatures: jax.Array, top_k: jax.Array) -> jax.Array:
     """``[B]`` True for rows drafted greedily: ``top_k <= 1`` or a temperature that is not
     ``> 0`` (0, below 0, or NaN).

@@ -51,6 +51,7 @@ from dspark_jax.sampling import (
     TOP_K_MAX,
     check_dtypes,
     check_one_key,
+    check_values,
     clamp_temperatures,
     greedy_rows,
     greedy_step,
@@ -108,13 +109,19 @@ def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
     for name, values in (("temperatures", temperatures), ("top_p", top_p)):
         if not (jnp.issubdtype(values.dtype, jnp.integer) or jnp.issubdtype(values.dtype, jnp.floating)):
             raise TypeError(f"{name} has dtype {values.dtype}: expected a numeric (integer or floating) dtype")
-    _check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
-    sampling = (top_k > 1) & (temperatures > 0)
-    restricting = sampling & ((top_k < vocab_size) | (top_p < 1.0))
-    if not restricting.any():
+    check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
+    widest = int(_ranks_read(temperatures, top_k, top_p, vocab_size).max())
+    if widest == 0:
         return 0
-    widest = int(np.minimum(top_k[restricting], vocab_size).max())
     return min(vocab_size, 1 << (widest - 1).bit_length())
+
+
+def _ranks_read(temperatures: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> np.ndarray:
+    """``[B]`` host: the ranks each row's top-k / top-p reads, ``min(top_k, V)`` for a sampling
+    row that restricts its distribution (``top_k < V`` or ``top_p < 1``), else 0."""
+    with np.errstate(invalid="ignore"):  # a NaN temperature is a greedy row
+        restricting = (top_k > 1) & (temperatures > 0) & ((top_k < vocab) | (top_p < 1.0))
+    return np.where(restricting, np.minimum(top_k.astype(np.int64), vocab), 0)
 
 
 def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, width: int | None = None) -> jax.Array:
@@ -152,7 +159,7 @@ def apply_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, *, w
     width = v if width is None else width
     if not is_integer(width) or not 1 <= width <= v:
         raise ValueError(f"width={width!r} is invalid: must be an integer in [1, V={v}]")
-    _check_values({"top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
+    check_values({"top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
     return _top_k_top_p(probs, top_k, top_p, width)
 
 
@@ -452,7 +459,7 @@ def _check_accept_inputs(target_logits, block, top_k, top_p, verify_len, uniform
         }
     )
     _check_filter_width(filter_width, v)
-    _check_values(
+    check_values(
         {"block.temperatures": (block.temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)}
     )
     _check_filter_covers(filter_width, block.temperatures, top_k, top_p, v)
@@ -471,26 +478,7 @@ def _check_per_row_inputs(logits, layout: str, temperatures, top_k, top_p) -> No
     check_dtypes(
         {"temperatures": (temperatures, jnp.floating), "top_k": (top_k, jnp.integer), "top_p": (top_p, jnp.floating)}
     )
-    _check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
-
-
-def _check_values(fields: dict[str, tuple[Any, tuple[Any, str]]]) -> None:
-    """ValueError for the first ``name: (value, (valid, allowed))`` holding an entry ``valid``
-    refuses, naming it (``top_k[3]=0``); None values are skipped.
-
-    Only concrete values are read: a tracer (the library's compiled rounds) is skipped, as in
-    ``Qwen3Target.__call__``, so nothing is added to a traced program.
-    """
-    for name, (value, (valid, allowed)) in fields.items():
-        if value is None or isinstance(value, jax.core.Tracer):
-            continue
-        values = np.asarray(value)
-        with np.errstate(over="ignore", invalid="ignore"):
-            ok = valid(values)
-        if not ok.all():
-            index = np.unravel_index(int(np.argmin(ok)), values.shape)
-            at = f"[{', '.join(str(i) for i in index)}]" if index else ""
-            raise ValueError(f"{name}{at}={values[index]} is invalid: {allowed}")
+    check_values({"temperatures": (temperatures, _TEMPERATURES), "top_k": (top_k, _TOP_K), "top_p": (top_p, _TOP_P)})
 
 
 def _check_shapes(fields: dict[str, tuple[Any, tuple[int, ...]]], allowed: str) -> None:
@@ -507,11 +495,7 @@ def _check_filter_covers(filter_width, temperatures, top_k, top_p, vocab: int) -
     if filter_width is None or any(isinstance(x, jax.core.Tracer) for x in rows):
         return
     temperatures, top_k, top_p = (np.asarray(x) for x in rows)
-    with np.errstate(invalid="ignore"):
-        restricting = (top_k > 1) & (temperatures > 0) & ((top_k < vocab) | (top_p < 1.0))  # [B]
-    if not restricting.any():
-        return
-    need = np.where(restricting, np.minimum(top_k.astype(np.int64), vocab), 0)  # [B] ranks each row reads
+    need = _ranks_read(temperatures, top_k, top_p, vocab)  # [B]
     if filter_width < need.max():
         row = int(np.argmax(need))
         why = f"top_k[{row}]={int(top_k[row])}" if top_k[row] < vocab else f"top_p[{row}]={float(top_p[row])}"
@@ -589,7 +573,7 @@ def schedule_verify_lengths(
             f"steps_per_second has {np.shape(steps_per_second)[0]} entries: needs more than "
             f"B·(γ+1) = {b * (gamma + 1)} (indexed by tokens verified per step)"
         )
-    _check_values({"confidence": (confidence, _PROBABILITIES), "steps_per_second": (steps_per_second, _RATES)})
+    check_values({"confidence": (confidence, _PROBABILITIES), "steps_per_second": (steps_per_second, _RATES)})
     if not isinstance(steps_per_second, jax.core.Tracer) and not np.asarray(steps_per_second).any():
         raise ValueError("steps_per_second is all 0: a measured table has at least one rate > 0")
     confidence = jnp.asarray(confidence, jnp.float32)
