@@ -13,6 +13,11 @@ emitters, which compile sooner than its MLIR fusion emitters (the split-round mo
 0.10 only). Same maths: XLA's CPU backend does not relax floating point at any level, and
 every comparison is between programs compiled alike or against NumPy with a tolerance. On
 GPU machines the programs are compiled as the library compiles them.
+
+``-n auto`` (the README's test command, through pytest-xdist) runs the test files in one
+worker process per CPU, at most ``MAX_WORKERS``, each file whole in one worker
+(``--dist loadfile``, so module fixtures are built once); on a machine with an accelerator it
+runs them in this process, the one that owns the device.
 """
 
 import importlib.metadata
@@ -28,6 +33,18 @@ def _cpu_only() -> bool:
     accelerators = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm", "libtpu")
     names = (dist.metadata["Name"] or "" for dist in importlib.metadata.distributions())
     return not any(name.lower().startswith(accelerators) for name in names)
+
+
+MAX_WORKERS = 8  # each worker compiles its own programs (~0.6 GB); the longest file bounds the wall time
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for ``-n auto``: one per CPU this process may run on, at most ``MAX_WORKERS``,
+    and none (the tests run in this process) where an accelerator would be shared."""
+    if not _cpu_only():
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cpus, MAX_WORKERS)
 
 
 if _cpu_only():  # before jax reads XLA_FLAGS (when its first backend starts)
