@@ -21,7 +21,7 @@ import jax
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.calibration import CALIBRATION_LABELS
 from dspark_jax.cli import add_save_dtype, as_flags, check_checkpoint, loading
-from dspark_jax.train import COUNT, SEED, cast_params, check_output_folder
+from dspark_jax.training import COUNT, SEED, cast_params, check_output_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark_jax.config import check_flag
 from dspark_jax.draft import check_draft
-from dspark_jax.train import block_acceptance, map_heldout_blocks
+from dspark_jax.draft_training import block_acceptance, map_heldout_blocks
 
 CALIBRATION_LABELS = ("sampling", "greedy")
 

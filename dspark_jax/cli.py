@@ -181,7 +181,7 @@ COMMANDS = {
     "demo": ("dspark_jax.demo", "generate with the bundled trained pair and report τ and speed"),
     "generate": ("dspark_jax.generate_cli", "speculative generation from a target and a draft checkpoint"),
     "train-target": ("dspark_jax.target_training", "train the small Qwen3-style target on the bundled corpus"),
-    "train-draft": ("dspark_jax.train", "train a DSpark draft against a frozen target"),
+    "train-draft": ("dspark_jax.draft_training", "train a DSpark draft against a frozen target"),
     "eval": ("dspark_jax.evaluate", "measure τ on held-out text; DSpark vs DFlash-style ablation"),
     "calibrate": ("dspark_jax.calibrate_cli", "fit a draft's confidence temperature (STS) on held-out text"),
     "bench": ("dspark_jax.bench", "benchmark the folded proposal (and the PyTorch baseline)"),

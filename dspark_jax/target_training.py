@@ -29,7 +29,7 @@ from dspark_jax.cli import add_save_dtype, as_flags, number_flag
 from dspark_jax.config import TargetConfig, normalise_numbers
 from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS
-from dspark_jax.train import (
+from dspark_jax.training import (
     COUNT,
     COUNT_OR_ZERO,
     INT32_MAX,
@@ -114,7 +114,7 @@ def check_window_fits(cfg: TargetConfig, seq_len: int) -> None:
 
 
 def check_target_memory(cfg: TargetConfig, tcfg: TargetTrainConfig, *, sizes: str | None = None) -> int:
-    """:func:`~dspark_jax.train.check_training_memory` for a target: its parameters and one
+    """:func:`~dspark_jax.training.check_training_memory` for a target: its parameters and one
     step's float32 logits ``[batch_size, seq_len, V]``. ``sizes`` names the settings in the
     message (default: the config's and ``tcfg``'s fields)."""
     logits = 4 * tcfg.batch_size * tcfg.seq_len * cfg.vocab_size
@@ -158,13 +158,13 @@ def train_target(
       max_seconds: stop (and checkpoint) once the loop has run this long.
 
     Returns:
-      A :class:`~dspark_jax.train.TrainResult` (``history["loss"]``).
+      A :class:`~dspark_jax.training.TrainResult` (``history["loss"]``).
 
     Raises:
       ValueError: ``seq_len`` does not fit the positions, float16 parameters
-        (:func:`~dspark_jax.train.check_trainable_dtype`), the model and one step's logits
+        (:func:`~dspark_jax.training.check_trainable_dtype`), the model and one step's logits
         cannot fit in free memory (:func:`check_target_memory`) or the compiled step cannot
-        (:func:`~dspark_jax.train.compile_training_step`), a bad token stream, ``resume``
+        (:func:`~dspark_jax.training.compile_training_step`), a bad token stream, ``resume``
         without ``checkpoint_dir``, ``max_seconds`` not a finite number > 0, a checkpoint
         that cannot be resumed (naming the settings that differ), or a loss or parameters
         that become NaN or infinite (naming the step and the loss).
@@ -285,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
         ``--vocab-size`` differs from the saved tokenizer's on ``--resume``; the model or
         training settings are invalid; ``--resume`` meets a checkpoint of other settings.
         All raised before the tokenizer is trained and before anything is written. Also
-        when the training diverges (see :func:`~dspark_jax.train.fit` and
-        :func:`~dspark_jax.train.check_heldout_losses`): then no model is saved.
+        when the training diverges (see :func:`~dspark_jax.training.fit` and
+        :func:`~dspark_jax.training.check_heldout_losses`): then no model is saved.
     """
     from dspark_jax.corpus import encode_documents, load_corpus
     from dspark_jax.target import save_target

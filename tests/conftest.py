@@ -35,7 +35,7 @@ def _cpu_only() -> bool:
     return not any(name.lower().startswith(accelerators) for name in names)
 
 
-MAX_WORKERS = 8  # each worker compiles its own programs (~0.6 GB); the longest file bounds the wall time
+MAX_WORKERS = 4  # each worker compiles its own programs (up to ~3 GB); the longest file bounds the wall time
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -15,17 +15,17 @@ from flax import nnx
 from dspark_jax import generation, sampling
 from dspark_jax.cache import ContextCache, context_mask, fill_context, init_context_cache, write_context
 from dspark_jax.calibration import fit_sts_temperature
-from dspark_jax.evaluate import compare_drafts, measure_tau
-from dspark_jax.generation import generate, measure_verify_schedule, verify_widths
-from dspark_jax.markov import make_markov_head, markov_walk
-from dspark_jax.target import Qwen3Target
-from dspark_jax.train import (
+from dspark_jax.draft_training import (
     check_draft_fits,
     default_draft_config,
     distillation_data,
     draft_loss,
     evaluate_draft,
 )
+from dspark_jax.evaluate import compare_drafts, measure_tau
+from dspark_jax.generation import generate, measure_verify_schedule, verify_widths
+from dspark_jax.markov import make_markov_head, markov_walk
+from dspark_jax.target import Qwen3Target
 from dspark_jax.verification import required_filter_width, sample_tokens, schedule_verify_lengths, target_probs
 
 TARGET = Qwen3Target(TRAINING_TARGET, rngs=nnx.Rngs(0))

@@ -14,7 +14,7 @@ from dspark_jax.calibration import fit_sts_temperature, fit_temperatures
 from dspark_jax.checkpoint import load_draft, save_draft
 from dspark_jax.cli import main
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.train import block_acceptance, map_heldout_blocks
+from dspark_jax.draft_training import block_acceptance, map_heldout_blocks
 
 
 def _sigmoid(x):

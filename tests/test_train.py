@@ -12,26 +12,23 @@ import pytest
 from draft_testing import TRAINING_TARGET
 from flax import nnx
 
-from dspark_jax import train
+from dspark_jax import draft_training
 from dspark_jax.corpus import is_held_out, list_stdlib_files, load_corpus
 from dspark_jax.draft import DSparkDraft
-from dspark_jax.target_training import TargetTrainConfig, train_target
-from dspark_jax.train import (
+from dspark_jax.draft_training import (
     DraftTrainConfig,
     block_loss_terms,
-    cast_params,
     check_draft_fits,
     default_draft_config,
     distillation_data,
     draft_blocks,
     draft_loss,
     evaluate_draft,
-    load_train_state,
-    lr_schedule,
-    make_optimizer,
     sample_anchors,
     train_draft,
 )
+from dspark_jax.target_training import TargetTrainConfig, train_target
+from dspark_jax.training import cast_params, load_train_state, lr_schedule, make_optimizer
 
 VOCAB = TRAINING_TARGET.vocab_size
 MASK = VOCAB - 1
@@ -506,7 +503,7 @@ def test_a_malformed_training_checkpoint_is_named_with_its_path(tmp_path):
 def test_one_anchor_per_sequence_gives_the_gradient_of_that_anchor_repeated(target):
     """One anchor takes its own path (XLA's CPU backend crashed differentiating the vmap over a
     single anchor, below); the same block twice has the same mean loss, so the same gradient."""
-    draft = train._new_draft(DRAFT_CFG, target, 0)
+    draft = draft_training._new_draft(DRAFT_CFG, target, 0)
     tcfg = _tcfg(anchors_per_seq=1)
     tokens = jnp.asarray(TOKENS[:48].reshape(2, 24))
 
@@ -526,7 +523,7 @@ def test_training_with_one_anchor_per_sequence_runs_on_the_bundled_target():
     CPU backend, differentiating ``draft_blocks``' vmap over one anchor)."""
     from dspark_jax.target import load_target
 
-    bundled = load_target(os.path.join(os.path.dirname(train.__file__), "assets", "target"))
+    bundled = load_target(os.path.join(os.path.dirname(draft_training.__file__), "assets", "target"))
     cfg = default_draft_config(bundled.config, mask_token_id=1, gamma=7, markov_rank=8, num_layers=1)
     tokens = (np.arange(4000) * 7 % bundled.config.vocab_size).astype(np.int32)
     tcfg = DraftTrainConfig(steps=1, batch_size=2, seq_len=32, anchors_per_seq=1)
@@ -543,7 +540,7 @@ def test_acceptance_stats_chain_the_slots_acceptances_as_written():
         "corrected": jnp.array([[[0.0, -jnp.inf], [0.0, -jnp.inf]]]),  # q = [1, 0] at both slots
         "target_logits": jnp.array([[[0.0, 0.0], [0.0, 1.0]]]),
     }
-    stats = train.acceptance_stats(blocks)
+    stats = draft_training.acceptance_stats(blocks)
     np.testing.assert_allclose(stats["accept_t1"], [0.5, p1], rtol=1e-6)
     np.testing.assert_array_equal(stats["match_greedy"], [1.0, 0.0])
     np.testing.assert_allclose(float(stats["tau_t1"]), 1.0 + 0.5 + 0.5 * p1, rtol=1e-6)

@@ -18,12 +18,13 @@ import pytest
 from draft_testing import TRAINING_TARGET
 from flax import nnx
 
-from dspark_jax import target_training, train
+from dspark_jax import draft_training, target_training, training
 from dspark_jax.calibration import StsFit
 from dspark_jax.checkpoint import load_draft
+from dspark_jax.draft_training import DraftTrainConfig, default_draft_config, train_draft
 from dspark_jax.target import Qwen3Target
 from dspark_jax.tokenizer import train_bpe
-from dspark_jax.train import CHECKPOINT_META, DraftTrainConfig, TrainResult, default_draft_config, fit, train_draft
+from dspark_jax.training import CHECKPOINT_META, TrainResult, fit
 
 TARGET_CFG = TRAINING_TARGET
 
@@ -43,7 +44,7 @@ def no_work(monkeypatch):
         "dspark_jax.corpus.load_corpus",
         "dspark_jax.corpus.encode_documents",
         "dspark_jax.tokenizer.train_bpe",
-        "dspark_jax.train.train_draft",
+        "dspark_jax.draft_training.train_draft",
         "dspark_jax.target_training.train_target",
     ):
         monkeypatch.setattr(name, _must_not_run)
@@ -66,7 +67,7 @@ def _model_folder(path):
 def _draft_args(tmp_path, *extra, out=None):
     target = _model_folder(tmp_path / "target")
     out = tmp_path / "draft" if out is None else out
-    return _parse(train, ["--target", str(target), "--out", str(out), "--seq-len", "40", *extra])
+    return _parse(draft_training, ["--target", str(target), "--out", str(out), "--seq-len", "40", *extra])
 
 
 # --------------------------------------------------------------------------- train-draft
@@ -88,12 +89,12 @@ def test_draft_training_refuses_distilled_data_with_batches_of_one():
 
 def test_train_draft_cli_refuses_distill_with_batch_one(tmp_path, no_work):
     with pytest.raises(ValueError, match=re.escape("--batch 1 is invalid with --distill 4: must be >= 2")):
-        train.run(_draft_args(tmp_path, "--distill", "4", "--batch", "1"))
+        draft_training.run(_draft_args(tmp_path, "--distill", "4", "--batch", "1"))
 
 
 def test_train_draft_cli_refuses_distill_with_no_room_after_the_prompt(tmp_path, no_work):
     with pytest.raises(ValueError, match=re.escape("--seq-len 16 is too short for --distill 2")):
-        train.run(_draft_args(tmp_path, "--distill", "2", "--seq-len", "16"))
+        draft_training.run(_draft_args(tmp_path, "--distill", "2", "--seq-len", "16"))
 
 
 @pytest.mark.parametrize(
@@ -105,9 +106,9 @@ def test_train_draft_cli_checks_the_target_folder_before_loading(tmp_path, no_wo
     (tmp_path / "afile").write_text("x")
     (tmp_path / "empty").mkdir()
     path = str(tmp_path / target)
-    args = _parse(train, ["--target", path, "--out", str(tmp_path / "draft")])
+    args = _parse(draft_training, ["--target", path, "--out", str(tmp_path / "draft")])
     with pytest.raises(ValueError, match=re.escape(f"--target {path!r} {problem}")):
-        train.run(args)
+        draft_training.run(args)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +127,7 @@ def test_train_draft_cli_checks_the_target_folder_before_loading(tmp_path, no_wo
 def test_train_draft_cli_refuses_more_anchors_than_positions_before_loading(tmp_path, no_work, extra, message):
     """Anchors lie in 1 … seq_len − rows − 1; more were drawn with replacement, or exhausted memory."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        train.run(_draft_args(tmp_path, *extra))
+        draft_training.run(_draft_args(tmp_path, *extra))
 
 
 def test_train_draft_cli_counts_anchor_positions_with_the_draft_configs_rows(tmp_path, no_work):
@@ -134,23 +135,23 @@ def test_train_draft_cli_counts_anchor_positions_with_the_draft_configs_rows(tmp
     path = tmp_path / "dc.json"
     path.write_text(json.dumps({**cfg.to_hf_config(), "sample_from_anchor": False, "block_size": 5}))
     with pytest.raises(ValueError, match=re.escape("--anchors 11 is invalid with --seq-len 16: must be <= 10,")):
-        train.run(_draft_args(tmp_path, "--draft-config", str(path), "--anchors", "11", "--seq-len", "16"))
+        draft_training.run(_draft_args(tmp_path, "--draft-config", str(path), "--anchors", "11", "--seq-len", "16"))
 
 
 def test_train_draft_cli_refuses_out_equal_to_target(tmp_path, no_work):
     target = _model_folder(tmp_path / "target")
     os.symlink(target, tmp_path / "link")
     for out in (target, tmp_path / "link", tmp_path / "target" / "."):
-        args = _parse(train, ["--target", str(target), "--out", str(out)])
+        args = _parse(draft_training, ["--target", str(target), "--out", str(out)])
         with pytest.raises(ValueError, match=re.escape(f"--out {str(out)!r} is the --target folder")):
-            train.run(args)
+            draft_training.run(args)
     assert (target / "config.json").read_text() == "{}"
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 def test_training_cli_refuses_an_out_folder_holding_a_model(tmp_path, no_work, module):
     out = _model_folder(tmp_path / "old")
-    argv = ["--out", str(out)] + (["--target", str(_model_folder(tmp_path / "target"))] if module is train else [])
+    argv = _module_argv(module, tmp_path, out)
     with pytest.raises(ValueError, match=re.escape(f"--out {str(out)!r} already holds a model (config.json)")):
         module.run(_parse(module, argv))
     afile = tmp_path / "afile"
@@ -161,10 +162,11 @@ def test_training_cli_refuses_an_out_folder_holding_a_model(tmp_path, no_work, m
 
 
 def _module_argv(module, tmp_path, out):
-    return ["--out", str(out)] + (["--target", str(_model_folder(tmp_path / "target"))] if module is train else [])
+    target = ["--target", str(_model_folder(tmp_path / "target"))] if module is draft_training else []
+    return ["--out", str(out), *target]
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 def test_training_cli_refuses_an_out_path_under_a_file_before_any_work(tmp_path, no_work, module):
     """It failed only when the first checkpoint was written, after up to --checkpoint-every steps."""
     (tmp_path / "afile").write_text("x")
@@ -174,7 +176,7 @@ def test_training_cli_refuses_an_out_path_under_a_file_before_any_work(tmp_path,
         module.run(_parse(module, _module_argv(module, tmp_path, out)))
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 def test_training_cli_refuses_an_out_folder_it_cannot_write_before_any_work(tmp_path, no_work, module, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -188,11 +190,11 @@ def test_training_cli_refuses_an_out_folder_it_cannot_write_before_any_work(tmp_
             module.run(_parse(module, _module_argv(module, tmp_path, out)))
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 def test_training_cli_resume_without_a_checkpoint_is_refused_before_any_work(tmp_path, no_work, module):
     out = tmp_path / "fresh"
     argv = ["--out", str(out), "--resume"]
-    if module is train:
+    if module is draft_training:
         argv += ["--target", str(_model_folder(tmp_path / "target"))]
     with pytest.raises(ValueError, match="--resume needs a training checkpoint in --out"):
         module.run(_parse(module, argv))
@@ -204,7 +206,7 @@ def test_train_draft_cli_refuses_shape_flags_with_a_draft_config(tmp_path, no_wo
     with pytest.raises(
         ValueError, match=re.escape("--gamma 3, --layers 1, --no-confidence conflict with --draft-config")
     ):
-        train.run(args)
+        draft_training.run(args)
 
 
 def test_train_draft_cli_refuses_a_draft_config_with_another_mask_id(tmp_path, no_work, monkeypatch):
@@ -215,7 +217,7 @@ def test_train_draft_cli_refuses_a_draft_config_with_another_mask_id(tmp_path, n
     with pytest.raises(
         ValueError, match=re.escape("has mask_token_id=5: must equal the --target tokenizer's mask id 31")
     ):
-        train.run(_draft_args(tmp_path, "--draft-config", str(path)))
+        draft_training.run(_draft_args(tmp_path, "--draft-config", str(path)))
 
 
 # --------------------------------------------------------------------------- both
@@ -258,29 +260,30 @@ BAD_TARGET_FLAGS = [
 
 @pytest.mark.parametrize(
     ("module", "flag", "value"),
-    [(train, *bad) for bad in BAD_DRAFT_FLAGS] + [(target_training, *bad) for bad in BAD_TARGET_FLAGS],
+    [(draft_training, *bad) for bad in BAD_DRAFT_FLAGS] + [(target_training, *bad) for bad in BAD_TARGET_FLAGS],
     ids=[f"draft{f}={v}" for f, v in BAD_DRAFT_FLAGS] + [f"target{f}={v}" for f, v in BAD_TARGET_FLAGS],
 )
 def test_training_cli_refuses_numbers_out_of_range_naming_the_flag(module, flag, value, capsys):
     """Plain ``type=int`` let these through to errors naming internal fields (``batch_size=0``),
     to an OverflowError after the tokenizer's training, or to terabyte allocations."""
-    argv = ["--out", "o", flag, value] + (["--target", "t"] if module is train else [])
+    argv = ["--out", "o", flag, value] + (["--target", "t"] if module is draft_training else [])
     with pytest.raises(SystemExit):
         _parse(module, argv)
     assert f"argument {flag}: {value!r} is invalid: must be" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 def test_training_cli_accepts_the_largest_seed_and_float32_learning_rate(module):
-    argv = ["--out", "o", "--seed", "4294967295", "--lr", "3.4e38"] + (["--target", "t"] if module is train else [])
+    target = ["--target", "t"] if module is draft_training else []
+    argv = ["--out", "o", "--seed", "4294967295", "--lr", "3.4e38", *target]
     args = _parse(module, argv)
     assert (args.seed, args.lr) == (4294967295, 3.4e38)
 
 
-@pytest.mark.parametrize("module", [train, target_training], ids=["draft", "target"])
+@pytest.mark.parametrize("module", [draft_training, target_training], ids=["draft", "target"])
 @pytest.mark.parametrize("value", ["nan", "0", "-5", "inf"])
 def test_max_seconds_must_be_a_finite_positive_number(module, value, capsys):
-    argv = ["--out", "o", "--max-seconds", value] + (["--target", "t"] if module is train else [])
+    argv = ["--out", "o", "--max-seconds", value] + (["--target", "t"] if module is draft_training else [])
     with pytest.raises(SystemExit):
         _parse(module, argv)
     assert "must be a finite number of seconds > 0" in capsys.readouterr().err
@@ -413,12 +416,12 @@ def test_train_draft_cli_saves_no_draft_whose_heldout_scores_are_not_finite(tmp_
     _stub_corpus(monkeypatch)
     monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
-    monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=None, history={}, step=3))
-    monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": np.nan, "tv": 1.0, "bce": np.inf})
+    monkeypatch.setattr(draft_training, "train_draft", lambda *a, **k: TrainResult(model=None, history={}, step=3))
+    monkeypatch.setattr(draft_training, "evaluate_draft", lambda *a, **k: {"ce": np.nan, "tv": 1.0, "bce": np.inf})
     monkeypatch.setattr("dspark_jax.checkpoint.save_draft", _must_not_run)
     want = "draft training diverged: its held-out ce nan, bce inf after step 3; the model was not saved"
     with pytest.raises(ValueError, match=re.escape(want)):
-        train.run(_draft_args(tmp_path))
+        draft_training.run(_draft_args(tmp_path))
     assert not (tmp_path / "draft").exists()
 
 
@@ -429,7 +432,7 @@ def test_train_draft_cli_resume_names_a_changed_shape_before_reading_the_corpus(
     monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: types.SimpleNamespace(config=TARGET_CFG))
     with pytest.raises(ValueError, match=re.escape("draft_config.block_size: checkpoint 7, this run 5")):
-        train.run(_draft_args(tmp_path, "--resume", "--gamma", "5"))
+        draft_training.run(_draft_args(tmp_path, "--resume", "--gamma", "5"))
 
 
 # --------------------------------------------------------------------------- train-target
@@ -494,11 +497,11 @@ def test_training_memory_bound_counts_every_parameter_at_any_depth():
     assert target_training.check_target_memory(cfg, tcfg) == want
     draft_cfg = default_draft_config(cfg, mask_token_id=31, gamma=4, markov_rank=8, num_layers=3)
     dcfg = DraftTrainConfig(batch_size=2, seq_len=24, anchors_per_seq=3)
-    draft = train._new_draft(draft_cfg, target, 0)
+    draft = draft_training._new_draft(draft_cfg, target, 0)
     _, params, _ = nnx.split(draft, nnx.Param, ...)  # what training updates (not the borrowed tables)
     trained = sum(leaf.size for leaf in jax.tree.leaves(params))
     rows = 2 * 3 * draft_cfg.num_query_rows
-    assert train.check_draft_memory(draft_cfg, target, dcfg) == 16 * trained + 4 * rows * cfg.vocab_size
+    assert draft_training.check_draft_memory(draft_cfg, target, dcfg) == 16 * trained + 4 * rows * cfg.vocab_size
 
 
 def test_train_target_refuses_a_model_beyond_free_memory_before_building_it(monkeypatch):
@@ -548,7 +551,7 @@ def test_train_draft_cli_refuses_sizes_beyond_free_memory_before_reading_the_cor
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
     want = "--layers, --markov-rank, --gamma (100000 layers, Markov rank 64, γ 7), --batch 16, --anchors 32: "
     with pytest.raises(ValueError, match=re.escape(want) + "training needs at least"):
-        train.run(_draft_args(tmp_path, "--layers", "100000"))
+        draft_training.run(_draft_args(tmp_path, "--layers", "100000"))
     assert not (tmp_path / "draft").exists()
 
 
@@ -559,11 +562,11 @@ def test_compiled_step_check_counts_xla_buffers_and_arguments_not_yet_allocated(
     w, x = jnp.ones((64, 32), jnp.float32), jax.ShapeDtypeStruct((128, 64), jnp.float32)
     stats = step.lower(w, x).compile().memory_analysis()
     need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + 128 * 64 * 4
-    compiled = train.compile_training_step(step, (w, x), "width=32", free=need)
+    compiled = training.compile_training_step(step, (w, x), "width=32", free=need)
     xs = jnp.linspace(-1.0, 1.0, 128 * 64, dtype=jnp.float32).reshape(128, 64)
     jax.tree.map(np.testing.assert_allclose, compiled(jnp.ones((64, 32)), xs), step(jnp.ones((64, 32)), xs))
     with pytest.raises(ValueError, match=r"width=32: one compiled training step needs \d+\.\d\d GB .* more than"):
-        train.compile_training_step(step, (w, x), "width=32", free=need - 1)
+        training.compile_training_step(step, (w, x), "width=32", free=need - 1)
 
 
 def _free_after_the_lower_bound(monkeypatch, bound):
@@ -584,8 +587,8 @@ def test_train_draft_refuses_a_step_beyond_free_memory_before_training(monkeypat
     target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
     draft_cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
     tcfg = DraftTrainConfig(steps=1, batch_size=2, seq_len=24, anchors_per_seq=2)
-    _free_after_the_lower_bound(monkeypatch, train.check_draft_memory(draft_cfg, target, tcfg, sizes="x"))
-    monkeypatch.setattr(train, "fit", _must_not_run)
+    _free_after_the_lower_bound(monkeypatch, draft_training.check_draft_memory(draft_cfg, target, tcfg, sizes="x"))
+    monkeypatch.setattr(draft_training, "fit", _must_not_run)
     want = "batch_size=2, seq_len=24, anchors_per_seq=2: one compiled training step needs"
     with pytest.raises(ValueError, match=re.escape(want)):
         train_draft(target, draft_cfg, np.zeros(64, np.int32), tcfg, progress=False)
@@ -615,7 +618,7 @@ def test_train_draft_cli_refuses_calibrate_without_a_confidence_head_before_read
     tmp_path, no_work, monkeypatch
 ):
     with pytest.raises(ValueError, match=re.escape("--calibrate greedy is invalid with --no-confidence")):
-        train.run(_draft_args(tmp_path, "--calibrate", "greedy", "--no-confidence"))
+        draft_training.run(_draft_args(tmp_path, "--calibrate", "greedy", "--no-confidence"))
     cfg = default_draft_config(
         TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1, confidence_head=False
     )
@@ -625,7 +628,7 @@ def test_train_draft_cli_refuses_calibrate_without_a_confidence_head_before_read
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0)))
     want = f"--calibrate sampling is invalid: --draft-config {str(path)!r} has no confidence head"
     with pytest.raises(ValueError, match=re.escape(want)):
-        train.run(_draft_args(tmp_path, "--calibrate", "sampling", "--draft-config", str(path)))
+        draft_training.run(_draft_args(tmp_path, "--calibrate", "sampling", "--draft-config", str(path)))
 
 
 def _stub_training(tmp_path, monkeypatch):
@@ -635,11 +638,11 @@ def _stub_training(tmp_path, monkeypatch):
     monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
     target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
     cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
-    trained = train._new_draft(cfg, target, 0)
+    trained = draft_training._new_draft(cfg, target, 0)
     monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: target)
-    monkeypatch.setattr(train, "train_draft", lambda *a, **k: TrainResult(model=trained, history={}, step=3))
-    monkeypatch.setattr(train, "evaluate_draft", lambda *a, **k: {"ce": 1.0, "tv": 0.5, "bce": 0.6})
+    monkeypatch.setattr(draft_training, "train_draft", lambda *a, **k: TrainResult(model=trained, history={}, step=3))
+    monkeypatch.setattr(draft_training, "evaluate_draft", lambda *a, **k: {"ce": 1.0, "tv": 0.5, "bce": 0.6})
     return target
 
 
@@ -655,7 +658,9 @@ def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, 
         return StsFit([0.5, 0.6, 0.7, 0.8], labels, [0.7] * 4, [0.6] * 4, [0.5] * 4, [0.4] * 4, 12)
 
     monkeypatch.setattr("dspark_jax.calibration.fit_sts_temperature", fit)
-    train.run(_draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate", "greedy"))
+    draft_training.run(
+        _draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate", "greedy")
+    )
     assert calls == [("greedy", 40)]
     info = json.loads((tmp_path / "draft" / "training.json").read_text())
     assert info["sts_calibration"]["temperatures"] == [0.5, 0.6, 0.7, 0.8]
@@ -675,7 +680,9 @@ def test_a_failed_calibration_keeps_the_trained_draft_and_names_the_flag(tmp_pat
     out = str(tmp_path / "draft")
     want = "--calibrate sampling failed: slot 1: no positive temperature lowers the cross-entropy; the trained draft "
     with pytest.raises(ValueError, match=re.escape(want + f"was saved uncalibrated in --out {out!r}")):
-        train.run(_draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate=sampling"))
+        draft_training.run(
+            _draft_args(tmp_path, "--gamma", "4", "--markov-rank", "8", "--layers", "1", "--calibrate=sampling")
+        )
     info = json.loads((tmp_path / "draft" / "training.json").read_text())
     assert info["sts_calibration"] == {"error": want.split("; the")[0]}
     saved = load_draft(out, target=target)
@@ -701,7 +708,7 @@ def test_train_draft_cli_names_draft_config_in_its_loading_errors(tmp_path, no_w
     for name in ("missing.json", "bad.json", "target.json"):
         path = str(tmp_path / name)
         with pytest.raises(ValueError, match=f"^--draft-config {re.escape(repr(path))}: "):
-            train.run(_draft_args(tmp_path, "--draft-config", path))
+            draft_training.run(_draft_args(tmp_path, "--draft-config", path))
 
 
 def test_resuming_a_finished_run_reports_the_loss_it_ended_with(tmp_path):
@@ -733,10 +740,10 @@ def test_resuming_a_finished_run_reports_the_loss_it_ended_with(tmp_path):
 def test_a_resumed_run_with_nothing_to_run_keeps_what_training_json_recorded(tmp_path):
     """Checkpoints written before they kept their metrics: a resumed, finished run carries the
     earlier ``training.json``'s values over instead of writing null."""
-    assert train.recorded_value(str(tmp_path), "final_train_loss") is None  # no file
+    assert training.recorded_value(str(tmp_path), "final_train_loss") is None  # no file
     (tmp_path / "training.json").write_text(json.dumps({"final_train_loss": 1.25, "final_metrics": {"loss": 2.0}}))
-    assert train.recorded_value(str(tmp_path), "final_train_loss") == 1.25
-    assert train.recorded_value(str(tmp_path), "final_metrics") == {"loss": 2.0}
-    assert train.recorded_value(str(tmp_path), "absent") is None
+    assert training.recorded_value(str(tmp_path), "final_train_loss") == 1.25
+    assert training.recorded_value(str(tmp_path), "final_metrics") == {"loss": 2.0}
+    assert training.recorded_value(str(tmp_path), "absent") is None
     (tmp_path / "training.json").write_text("{not json")
-    assert train.recorded_value(str(tmp_path), "final_train_loss") is None
+    assert training.recorded_value(str(tmp_path), "final_train_loss") is None
