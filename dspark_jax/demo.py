@@ -16,7 +16,7 @@ import jax
 
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.cli import SEED_MAX, check_checkpoint, check_prompts, loading, number_flag
-from dspark_jax.generation import MAX_NEW_TOKENS
+from dspark_jax.decode_requests import MAX_NEW_TOKENS
 
 PROMPTS = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',

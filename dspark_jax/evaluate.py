@@ -23,7 +23,7 @@ import numpy as np
 from dspark_jax.bundled import DRAFT_DIRS, TARGET_DIR
 from dspark_jax.cli import SEED_MAX, check_checkpoint, check_output_file, loading, number_flag
 from dspark_jax.config import check_seed, positive_int
-from dspark_jax.generation import MAX_NEW_TOKENS, MAX_TEMPERATURE
+from dspark_jax.decode_requests import MAX_NEW_TOKENS, MAX_TEMPERATURE
 
 
 def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:

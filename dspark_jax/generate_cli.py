@@ -18,10 +18,8 @@ import jax
 
 from dspark_jax.checkpoint import load_draft
 from dspark_jax.cli import SEED_MAX, check_checkpoint, check_prompts, loading, number_flag
+from dspark_jax.decode_requests import MAX_NEW_TOKENS, MAX_TEMPERATURE, VERIFY_RULES
 from dspark_jax.generation import (
-    MAX_NEW_TOKENS,
-    MAX_TEMPERATURE,
-    VERIFY_RULES,
     GenerationResult,
     generate,
     measure_verify_schedule,

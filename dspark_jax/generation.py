@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,14 +46,24 @@ import numpy as np
 from flax import nnx, struct
 
 from dspark_jax.cache import ContextCache, commit, init_context_cache, prefill
-from dspark_jax.config import check_flag, check_seed, is_integer, is_real, positive_int
+from dspark_jax.config import check_seed, positive_int
+from dspark_jax.decode_requests import (
+    Requests,
+    bucket,
+    cache_capacity,
+    check_bool,
+    check_confidence_head,
+    check_key,
+    check_positions,
+    check_requests,
+    check_verify_rule,
+    check_verify_schedule,
+)
 from dspark_jax.draft import DSparkDraft, check_models
 from dspark_jax.proposal import propose_with
-from dspark_jax.sampling import TOP_K_ALL, TOP_K_MAX, greedy_step, key_rows
+from dspark_jax.sampling import greedy_step
 from dspark_jax.target import Target, check_pair
 from dspark_jax.verification import accept, required_filter_width, sample_tokens, schedule_verify_lengths
-
-MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # a larger temperature reaches the round as inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +108,6 @@ class GenerationResult:
 
 
 @struct.dataclass
-class Requests:
-    """Per-request sampling parameters, ``[B]`` each (``stop`` is ``[B, S]``, −1 padded), and
-    the batch's ``[N]`` steps-per-second table when verification is confidence-scheduled."""
-
-    temperatures: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    max_new: jax.Array
-    stop: jax.Array
-    verify_schedule: jax.Array | None = None
-
-
-@struct.dataclass
 class DecodeState:
     """Everything a round reads and writes (donated to the round)."""
 
@@ -126,268 +123,6 @@ class DecodeState:
     accept_counts: jax.Array  # [B, γ + 1] histogram of correct_len
     verify_counts: jax.Array  # [B, γ + 1] histogram of each request's verify length (1 … γ + 1)
     survival_sums: jax.Array  # [B, γ] (γ = 0 without a confidence head) Σ over rounds of Π_{j ≤ k} confidence_j
-
-
-# ------------------------------------------------------------------ validation
-MAX_NEW_TOKENS = int(np.iinfo(np.int32).max)  # max_new_tokens reaches the round as int32
-
-
-def _scalar(value: Any) -> Any:
-    """A NumPy / JAX 0-d array or scalar as the Python number it holds; anything else unchanged."""
-    if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
-        return np.asarray(value).item()
-    return value
-
-
-def _invalid(field: str, value: Any, allowed: str, *, right_kind: bool) -> Exception:
-    """The error for a bad value: ``TypeError`` for the wrong kind of value, ``ValueError`` for one out of range."""
-    return (ValueError if right_kind else TypeError)(f"{field}={value!r} is invalid: {allowed}")
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    """A boolean flag (Python, NumPy or JAX bool) as a Python bool; anything else is refused."""
-    value = _scalar(value)
-    check_flag(name, value)
-    return value
-
-
-def _per_request(name: str, value: Any, batch: int) -> list:
-    """One value per request, NumPy / JAX scalars as Python numbers: a list, tuple or array of
-    ``batch`` entries, or one value for all."""
-    arrays = (np.ndarray, jax.Array)
-    if isinstance(value, (list, tuple)) or (isinstance(value, arrays) and value.ndim >= 1):
-        if len(value) != batch:
-            raise ValueError(f"{name} has {len(value)} entries: expected one per prompt ({batch}) or a single value")
-        return [_scalar(v) for v in (np.asarray(value) if isinstance(value, arrays) else value)]
-    return [_scalar(value)] * batch
-
-
-def _entries(value: Any) -> list | None:
-    """The entries of an iterable or an array of >= 1 dimension; None for a single value or a string."""
-    if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-        return list(np.asarray(value)) if np.ndim(value) else None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        return None
-    return list(value)
-
-
-def _stop_lists(stop_tokens: Any, batch: int, vocab_size: int) -> list[list[int]]:
-    """``stop_tokens`` (``None``, one list of ids for all requests, or one list per request) as ``B`` lists."""
-    if stop_tokens is None:
-        return [[] for _ in range(batch)]
-    allowed = "expected token ids: one list for every request, or one list per request"
-    entries = _entries(stop_tokens)
-    if entries is None:
-        raise TypeError(f"stop_tokens={stop_tokens!r} is invalid: {allowed}")
-    lists = [_entries(e) for e in entries]
-    shared = all(s is None for s in lists)  # an empty list is shared too
-    if not shared and any(s is None for s in lists):
-        raise TypeError(f"stop_tokens={stop_tokens!r} is invalid: it mixes ids and lists; {allowed}")
-    if not shared and len(lists) != batch:
-        raise ValueError(f"stop_tokens has {len(lists)} lists: expected one per prompt ({batch}) or one list for all")
-    rows = [entries] if shared else lists
-    for b, row in enumerate(rows):
-        for i, t in enumerate(row):
-            t = row[i] = _scalar(t)
-            if not is_integer(t) or not 0 <= t < vocab_size:
-                field = f"stop_tokens[{i}]" if shared else f"stop_tokens[{b}][{i}]"
-                allowed = f"stop tokens must be token ids in [0, {vocab_size})"
-                raise _invalid(field, t, allowed, right_kind=is_integer(t))
-    return rows * batch if shared else rows
-
-
-def _requests(
-    prompts: Sequence[Sequence[int]],
-    vocab_size: int,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    stop_tokens,
-) -> tuple[np.ndarray, np.ndarray, Requests]:
-    """Validates the inputs on the host; returns ``(tokens [B, P], lengths [B], requests)``."""
-    if isinstance(prompts, (np.ndarray, jax.Array)):  # [B, P]: B prompts of P tokens
-        if prompts.ndim != 2 or prompts.size == 0:
-            raise ValueError(f"prompts has shape {prompts.shape}: an array of prompts must be [B, P] with B, P >= 1")
-        prompts = list(np.asarray(prompts))
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"prompts={prompts!r} is invalid: expected a non-empty list of token id lists")
-    batch = len(prompts)
-    rows = []
-    for b, prompt in enumerate(prompts):
-        if isinstance(prompt, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in prompt):
-            raise TypeError(f"prompts[{b}] holds a bool: expected integer token ids (NumPy would read True as 1)")
-        try:
-            ids = np.asarray(prompt)
-        except ValueError:  # ragged nesting
-            ids = np.empty((0, 0))
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompts[{b}] is empty or not a flat list of token ids: every prompt needs >= 1 token")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"prompts[{b}] has dtype {ids.dtype}: expected integer token ids")
-        bad = (ids < 0) | (ids >= vocab_size)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"prompts[{b}][{i}]={int(ids[i])} is outside the vocabulary: 0 <= id < {vocab_size}")
-        rows.append(ids)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    width = _bucket(int(lengths.max()))
-    tokens = np.zeros((batch, width), np.int32)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = r
-
-    max_new = _per_request("max_new_tokens", max_new_tokens, batch)
-    for b, m in enumerate(max_new):
-        if not is_integer(m) or not 1 <= m <= MAX_NEW_TOKENS:
-            allowed = f"must be an integer in [1, {MAX_NEW_TOKENS}]"
-            raise _invalid(f"max_new_tokens[{b}]", m, allowed, right_kind=is_integer(m))
-    temps = _per_request("temperature", temperature, batch)
-    for b, t in enumerate(temps):
-        if not is_real(t) or not 0 <= t <= MAX_TEMPERATURE:  # also refuses NaN
-            allowed = "must be a number >= 0 (0 = greedy), finite in float32"
-            raise _invalid(f"temperature[{b}]", t, allowed, right_kind=is_real(t))
-    ks = [TOP_K_ALL if k is None else k for k in _per_request("top_k", top_k, batch)]
-    for b, k in enumerate(ks):
-        if not is_integer(k) or not 1 <= k <= TOP_K_MAX:
-            allowed = f"must be None (no top-k) or an integer in [1, {TOP_K_MAX}] (1 = greedy)"
-            raise _invalid(f"top_k[{b}]", k, allowed, right_kind=is_integer(k))
-    ps = [1.0 if p is None else p for p in _per_request("top_p", top_p, batch)]
-    for b, p in enumerate(ps):
-        if not is_real(p) or not 0 < p <= 1:
-            raise _invalid(f"top_p[{b}]", p, "must be a number in (0, 1]", right_kind=is_real(p))
-    stops = _stop_lists(stop_tokens, batch, vocab_size)
-    # [B, S]: S rounded up so that stop lists of other lengths share the compiled programs
-    stop = np.full((batch, _bucket(max(1, max(len(s) for s in stops)), 8)), -1, np.int32)
-    for b, s in enumerate(stops):
-        stop[b, : len(s)] = s
-    requests = Requests(
-        temperatures=jnp.asarray(np.array(temps, np.float32)),
-        top_k=jnp.asarray(np.array(ks, np.int32)),
-        top_p=jnp.asarray(np.array(ps, np.float32)),
-        max_new=jnp.asarray(np.array(max_new, np.int32)),
-        stop=jnp.asarray(stop),
-    )
-    return tokens, lengths, requests
-
-
-def _bucket(n: int, step: int = 16) -> int:
-    """Rounds a static length up to a multiple of ``step`` so nearby sizes share compilations."""
-    return -(-n // step) * step
-
-
-def _check_positions(lengths: np.ndarray, max_new: np.ndarray, lookahead: int, limits: dict[str, Any]) -> None:
-    """Refuses requests that would run a model at a position >= its ``max_position_embeddings``.
-
-    A request's prompt and output fill positions ``0 … prompt + max_new_tokens − 1``. A
-    speculative round starts from the bonus (at most at ``prompt + max_new_tokens − 2``
-    while the request is unfinished) and runs both models ``γ`` positions past it, so
-    speculative decoding looks ``lookahead = γ − 1`` positions further.
-
-    Args:
-      lengths: ``[B]`` prompt lengths.
-      max_new: ``[B]`` max_new_tokens.
-      lookahead: positions run past the last output token (γ − 1, or 0 for plain decoding).
-      limits: ``max_position_embeddings`` by model name (``None`` where a config has none).
-    """
-    b, need = _longest_request(lengths, max_new, lookahead)
-    over = {name: limit for name, limit in limits.items() if limit is not None and need > limit}
-    if over:
-        terms = "prompt + max_new_tokens" + (" + gamma - 1" if lookahead else "")
-        why = f" (the last round verifies gamma - 1 = {lookahead} positions past the output)" if lookahead else ""
-        models = " and ".join(f"the {name}'s max_position_embeddings={limit}" for name, limit in over.items())
-        raise ValueError(
-            f"prompts[{b}] has {int(lengths[b])} tokens and max_new_tokens[{b}]={int(max_new[b])}: "
-            f"{terms} = {need} positions{why} exceed {models}"
-        )
-
-
-def _longest_request(lengths: np.ndarray, max_new: np.ndarray, lookahead: int) -> tuple[int, int]:
-    """``(b, need)``: the request needing the most positions and how many (prompt, output and
-    ``lookahead``)."""
-    ends = lengths.astype(np.int64) + max_new  # [B]
-    b = int(np.argmax(ends))
-    return b, int(ends[b]) + lookahead
-
-
-def _capacity(capacity: Any, lengths: np.ndarray, max_new: np.ndarray, lookahead: int) -> int:
-    """The cache capacity: ``capacity``, checked, or the bucket of the positions the requests
-    need (as :func:`_check_positions`: prompt and output, plus ``lookahead``)."""
-    b, need = _longest_request(lengths, max_new, lookahead)
-    if capacity is None:
-        return _bucket(need)
-    capacity = _scalar(capacity)
-    if not is_integer(capacity):
-        raise TypeError(f"capacity={capacity!r} is invalid: must be None (sized from the requests) or an integer")
-    if capacity < need:
-        raise ValueError(
-            f"capacity={capacity!r} is too small: prompt {b} has {int(lengths[b])} tokens and may generate "
-            f"{int(max_new[b])}, which needs capacity >= {need} (prompt + max_new_tokens"
-            + (" + gamma - 1, the positions the last round verifies past the output)" if lookahead else ")")
-        )
-    return int(capacity)
-
-
-def _check_confidence_head(cfg) -> None:
-    """Raises ``ValueError`` unless the draft has the confidence head a schedule ranks by."""
-    if not cfg.enable_confidence_head:
-        raise ValueError(
-            "verify_schedule needs a draft with a confidence head (enable_confidence_head=True): "
-            "the schedule ranks drafts by their confidence"
-        )
-
-
-def _check_schedule(table: Any, cfg, batch: int) -> jax.Array:
-    """The ``verify_schedule`` table as a float32 device array, checked on the host.
-
-    Raises:
-      TypeError: ``table`` is not a 1-D array of real numbers.
-      ValueError: too short, a value negative or not finite, all zeros, or a draft
-        without a confidence head.
-    """
-    _check_confidence_head(cfg)
-    values = np.asarray(table)
-    if values.dtype == bool or not (
-        np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)
-    ):
-        raise TypeError(f"verify_schedule has dtype {values.dtype}: expected real numbers (steps per second)")
-    need = batch * (cfg.gamma + 1) + 1
-    if values.ndim != 1 or values.shape[0] < need:
-        raise ValueError(
-            f"verify_schedule has shape {values.shape}: expected [N] with N >= B·(γ + 1) + 1 = {need} "
-            "(steps per second indexed by tokens verified per step, 0 … B·(γ + 1))"
-        )
-    with np.errstate(over="ignore"):  # a value past float32's range is reported below
-        as_f32 = values.astype(np.float32)
-    bad = ~(np.isfinite(as_f32) & (as_f32 >= 0))
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(
-            f"verify_schedule[{i}]={values[i]} is invalid: must be >= 0 and finite in float32 (steps per second)"
-        )
-    if not as_f32.any():
-        raise ValueError("verify_schedule is all zeros: expected measured steps per second")
-    return jnp.asarray(as_f32)
-
-
-VERIFY_RULES = ("per_request", "uniform")
-
-
-def _check_rule(rule: Any, table: Any) -> bool:
-    """Whether ``verify_rule`` is the uniform rule; raises on anything else than a rule
-    of :data:`VERIFY_RULES`, or on a non-default rule without a ``verify_schedule``."""
-    if not isinstance(rule, str):
-        raise TypeError(f"verify_rule={rule!r} is invalid: expected one of {VERIFY_RULES}")
-    if rule not in VERIFY_RULES:
-        raise ValueError(f"verify_rule={rule!r} is invalid: expected one of {VERIFY_RULES}")
-    if rule != "per_request" and table is None:
-        raise ValueError(f"verify_rule={rule!r} needs a verify_schedule (the table the rule reads)")
-    return rule == "uniform"
-
-
-def _check_key(key: Any, batch: int) -> None:
-    """One PRNG key (typed or raw); the rounds split it, so per-row keys are refused."""
-    if key_rows(key, batch):
-        raise TypeError(f"key has shape {key.shape}: expected one PRNG key (jax.random.key(seed)), not one per row")
 
 
 # ------------------------------------------------------------------ shared pieces
@@ -821,16 +556,16 @@ def speculative_generate(
     check_models(target, draft)
     check_pair(draft.cfg, target.config)
     gamma = draft.cfg.gamma
-    tokens, lengths, requests = _requests(
+    tokens, lengths, requests = check_requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
-    _check_key(key, len(prompts))
-    device_loop = _check_flag("device_loop", device_loop)
-    uniform_verify = _check_rule(verify_rule, verify_schedule)
+    check_key(key, len(prompts))
+    device_loop = check_bool("device_loop", device_loop)
+    uniform_verify = check_verify_rule(verify_rule, verify_schedule)
     if verify_schedule is not None:
-        requests = requests.replace(verify_schedule=_check_schedule(verify_schedule, draft.cfg, len(prompts)))
+        requests = requests.replace(verify_schedule=check_verify_schedule(verify_schedule, draft.cfg, len(prompts)))
     max_new = np.asarray(requests.max_new)
-    _check_positions(lengths, max_new, gamma - 1, _position_limits(target, draft))
+    check_positions(lengths, max_new, gamma - 1, _position_limits(target, draft))
     program = _launch(
         target,
         draft,
@@ -838,8 +573,8 @@ def speculative_generate(
         lengths,
         requests,
         key,
-        capacity=_capacity(capacity, lengths, max_new, gamma - 1),
-        out_len=_bucket(int(max_new.max()) + gamma + 1),
+        capacity=cache_capacity(capacity, lengths, max_new, gamma - 1),
+        out_len=bucket(int(max_new.max()) + gamma + 1),
         uniform_verify=uniform_verify,
     )
     state = program.start()
@@ -901,13 +636,13 @@ def measure_verify_schedule(
     gamma = draft.cfg.gamma
     widths = verify_widths(gamma + 1)
     size = batch * (gamma + 1) + 1
-    _check_confidence_head(draft.cfg)
+    check_confidence_head(draft.cfg)
     rng = np.random.default_rng(check_seed("seed", seed))
     prompts = rng.integers(0, target.config.vocab_size, (batch, prompt_len)).tolist()
     # Each width decodes afresh from the prompts; a round commits 1 … γ + 1 tokens per
     # request, so none finishes before its last timed round.
     max_new = (rounds + 1) * (gamma + 1) + 1
-    tokens, lengths, requests = _requests(prompts, target.config.vocab_size, max_new, temperature, None, 1.0, None)
+    tokens, lengths, requests = check_requests(prompts, target.config.vocab_size, max_new, temperature, None, 1.0, None)
     need = prompt_len + max_new + gamma - 1
     limits = _position_limits(target, draft).items()
     over = " and ".join(f"the {name}'s max_position_embeddings={n}" for name, n in limits if n and need > n)
@@ -923,8 +658,8 @@ def measure_verify_schedule(
         lengths,
         requests,
         jax.random.key(seed),
-        capacity=_capacity(None, lengths, np.asarray(requests.max_new), gamma - 1),
-        out_len=_bucket(max_new + gamma + 1),
+        capacity=cache_capacity(None, lengths, np.asarray(requests.max_new), gamma - 1),
+        out_len=bucket(max_new + gamma + 1),
         uniform_verify=True,
     )
     seconds = []
@@ -1088,14 +823,14 @@ def generate(
     """
     started = time.perf_counter()
     check_models(target)
-    tokens, lengths, requests = _requests(
+    tokens, lengths, requests = check_requests(
         prompts, target.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens
     )
-    _check_key(key, len(prompts))
-    device_loop = _check_flag("device_loop", device_loop)
+    check_key(key, len(prompts))
+    device_loop = check_bool("device_loop", device_loop)
     max_new = np.asarray(requests.max_new)
-    _check_positions(lengths, max_new, 0, dict(target=getattr(target.config, "max_position_embeddings", None)))
-    capacity = _capacity(capacity, lengths, max_new, 0)
+    check_positions(lengths, max_new, 0, dict(target=getattr(target.config, "max_position_embeddings", None)))
+    capacity = cache_capacity(capacity, lengths, max_new, 0)
     target_def, target_state = _split(target)
     program = _plain_program(target_def, **_variant(requests, target.config.vocab_size))
     state = program.start(
@@ -1105,7 +840,7 @@ def generate(
         requests,
         key,
         capacity=capacity,
-        out_len=_bucket(int(max_new.max()) + 1),
+        out_len=bucket(int(max_new.max()) + 1),
     )
     max_steps = int(max_new.max())
     if device_loop:
