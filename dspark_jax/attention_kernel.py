@@ -39,7 +39,7 @@ kernels through the Pallas interpreter on any backend (the CPU tests do).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,9 @@ from jax.experimental import pallas as pl
 from dspark_jax.config import check_flag, is_integer
 from dspark_jax.kernel_choice import KERNEL_CHOICES, env_choice, kernel_mode, triton_params
 from dspark_jax.sampling import check_dtypes
+
+if TYPE_CHECKING:
+    from jax.typing import DTypeLike
 
 ATTENTION_ENV = "DSPARK_JAX_ATTENTION"
 """Environment variable choosing the draft's context attention: ``auto`` (default: the
@@ -69,7 +72,7 @@ def attention_choice() -> str:
     return env_choice(ATTENTION_ENV)
 
 
-def kernel_supported(dtype, head_dim: int, capacity: int) -> bool:
+def kernel_supported(dtype: DTypeLike, head_dim: int, capacity: int) -> bool:
     """True when the kernel applies: a 16-bit float cache (tensor-core products; a float32
     product in Triton would round through tf32), ``head_dim`` a power of two ≥ 16 and
     ``capacity`` ≥ 16."""
@@ -77,7 +80,7 @@ def kernel_supported(dtype, head_dim: int, capacity: int) -> bool:
     return sixteen_bit and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= 16
 
 
-def use_kernel(dtype, head_dim: int, capacity: int) -> tuple[bool, bool]:
+def use_kernel(dtype: DTypeLike, head_dim: int, capacity: int) -> tuple[bool, bool]:
     """``(use the kernel, through the interpreter)`` for this trace, from :func:`attention_choice`."""
     return kernel_mode(ATTENTION_ENV, kernel_supported(dtype, head_dim, capacity))
 

@@ -26,6 +26,8 @@ from dspark_jax.draft import DSparkDraft
 
 
 def memory_stat(name: str) -> int | None:
+    """The first device's memory statistic ``name`` (``"bytes_in_use"``, ``"peak_bytes_in_use"``:
+    bytes), or ``None`` where the backend does not report it (CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get(name)
 

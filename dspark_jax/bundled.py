@@ -8,13 +8,19 @@ Markov input, γ = 7) and a DFlash-style draft (no Markov head) trained the same
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dspark_jax.draft import DSparkDraft
+    from dspark_jax.target import Qwen3Target
+    from dspark_jax.tokenizer import Tokenizer
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TARGET_DIR = os.path.join(ASSETS, "target")
 DRAFT_DIRS = {"dspark": os.path.join(ASSETS, "dspark_draft"), "dflash": os.path.join(ASSETS, "dflash_draft")}
 
 
-def load_bundled(draft: str = "dspark", *, dtype: str = "float32"):
+def load_bundled(draft: str = "dspark", *, dtype: str = "float32") -> tuple[Qwen3Target, DSparkDraft, Tokenizer]:
     """Loads the bundled target, one of its drafts and the tokenizer.
 
     Args:

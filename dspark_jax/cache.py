@@ -41,10 +41,12 @@ class ContextCache:
 
     @property
     def capacity(self) -> int:
+        """``C``: positions per slot."""
         return self.k.shape[2]
 
     @property
     def batch(self) -> int:
+        """``B``: request slots."""
         return self.k.shape[1]
 
 
@@ -159,7 +161,9 @@ def context_mask(prefix_lens: jax.Array, capacity: int) -> jax.Array:
     return jnp.arange(capacity, dtype=jnp.int32)[None, :] < jnp.asarray(prefix_lens, jnp.int32)[:, None]
 
 
-def fill_context(draft, cache: ContextCache, features: jax.Array, start: jax.Array, count: jax.Array) -> ContextCache:
+def fill_context(
+    draft: DSparkDraft, cache: ContextCache, features: jax.Array, start: jax.Array, count: jax.Array
+) -> ContextCache:
     """Projects target features through the draft and writes them into the cache.
 
     Args:

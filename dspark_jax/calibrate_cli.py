@@ -25,6 +25,7 @@ from dspark_jax.training import COUNT, SEED, cast_params, check_output_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax calibrate`` flags."""
     parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
     parser.add_argument("--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark)")
     parser.add_argument("--out", required=True, help="new folder for the calibrated draft")

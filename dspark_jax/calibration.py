@@ -19,6 +19,7 @@ Newton's method in float64. Shape legend: N blocks, γ draft slots.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,10 @@ import numpy as np
 from dspark_jax.config import check_flag
 from dspark_jax.draft import check_draft
 from dspark_jax.draft_training import block_acceptance, map_heldout_blocks
+
+if TYPE_CHECKING:
+    from dspark_jax.draft import DSparkDraft
+    from dspark_jax.target import Target
 
 CALIBRATION_LABELS = ("sampling", "greedy")
 
@@ -117,8 +122,8 @@ def fit_temperatures(scores: np.ndarray, labels: np.ndarray, *, iters: int = 50)
 
 
 def fit_sts_temperature(
-    draft,
-    target,
+    draft: DSparkDraft,
+    target: Target,
     tokens: np.ndarray,
     *,
     labels: str = "sampling",

@@ -125,9 +125,11 @@ class _TensorFiles:
 
     @property
     def names(self) -> set[str]:
+        """The stored tensor names, without the optional ``model.`` prefix."""
         return set(self.location)
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` (as :attr:`names` lists it) read from its file, as stored."""
         path, raw = self.location[name]
         with open_safetensors(path) as f:
             return f.get_tensor(raw)

@@ -189,6 +189,12 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``dspark-jax COMMAND [FLAGS]`` (``argv`` default ``sys.argv[1:]``).
+
+    Returns:
+      The exit status: the command's, 2 for an unknown command or a ``ValueError`` /
+      ``TypeError`` it raised (printed as one line), 0 after printing the help.
+    """
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="dspark-jax", description="DSpark speculative decoding in JAX")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -29,9 +29,12 @@ import json
 import math
 import numbers
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from jax.typing import DTypeLike
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 # slot layout name -> sample_from_anchor
@@ -237,11 +240,13 @@ class TargetConfig:
         _check_bool("tie_word_embeddings", self.tie_word_embeddings)
 
     @property
-    def jnp_dtype(self):
+    def jnp_dtype(self) -> DTypeLike:
+        """``dtype`` as a JAX dtype: the compute dtype of activations and caches."""
         return DTYPES[self.dtype]
 
     @property
-    def jnp_param_dtype(self):
+    def jnp_param_dtype(self) -> DTypeLike:
+        """``param_dtype`` as a JAX dtype: the dtype parameters are stored in."""
         return DTYPES[self.param_dtype]
 
     @classmethod
@@ -276,6 +281,8 @@ class TargetConfig:
         return cls.from_hf_config(_read_json(path), **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` form (``model_type`` ``"qwen3"``; read back by
+        :meth:`from_hf_config`): ``dtype`` is written as ``torch_dtype``, ``param_dtype`` dropped."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out.pop("param_dtype")
         out["torch_dtype"] = out.pop("dtype")
@@ -378,6 +385,7 @@ class DraftConfig:
 
     @property
     def has_markov_head(self) -> bool:
+        """True when ``markov_rank > 0`` (a DFlash-style draft, rank 0, has none)."""
         return self.markov_rank > 0
 
     @property
@@ -386,11 +394,13 @@ class DraftConfig:
         return "anchor" if self.sample_from_anchor else "dflash"
 
     @property
-    def jnp_dtype(self):
+    def jnp_dtype(self) -> DTypeLike:
+        """``dtype`` as a JAX dtype: the compute dtype of activations and caches."""
         return DTYPES[self.dtype]
 
     @property
-    def jnp_param_dtype(self):
+    def jnp_param_dtype(self) -> DTypeLike:
+        """``param_dtype`` as a JAX dtype: the dtype parameters are stored in."""
         return DTYPES[self.param_dtype]
 
     # -------------------------------------------------------------- construction

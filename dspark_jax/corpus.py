@@ -17,8 +17,12 @@ import os
 import platform
 import sysconfig
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dspark_jax.tokenizer import Tokenizer
 
 # Directory names skipped anywhere under the root.
 EXCLUDED_DIRS = frozenset(
@@ -76,6 +80,11 @@ class Corpus:
             raise ValueError(f"held_out_percent={self.held_out_percent!r} is invalid: must lie in [0, 100]")
 
     def files(self, split: str) -> tuple[str, ...]:
+        """The files of one split, ``"train"`` or ``"heldout"`` (paths relative to ``root``).
+
+        Raises:
+          ValueError: ``split`` is neither.
+        """
         if split == "train":
             return self.train_files
         if split == "heldout":
@@ -134,7 +143,7 @@ def load_corpus(root: str | os.PathLike | None = None, held_out_percent: int = H
     return Corpus(root=root, train_files=train, heldout_files=held, held_out_percent=held_out_percent)
 
 
-def encode_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> np.ndarray:
     """Token ids of all documents, each followed by ``<|endoftext|>``: ``[N]`` int32.
 
     Raises:

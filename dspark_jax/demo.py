@@ -33,6 +33,7 @@ def _timed(fn):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax demo`` flags."""
     parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
     parser.add_argument(
         "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
@@ -45,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``dspark-jax demo``: loads the pair, generates greedily and at temperature 1, prints
+    the texts, τ, acceptance by position and the speed against plain decoding; returns 0.
+
+    Raises:
+      ValueError: a bad ``--target`` or ``--draft`` folder, or a prompt too long for the models.
+    """
     from dspark_jax.checkpoint import load_draft
     from dspark_jax.generation import generate, speculative_generate
     from dspark_jax.target import load_target

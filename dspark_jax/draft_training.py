@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,10 @@ from dspark_jax.training import (
     recorded_value,
     sample_windows,
 )
+
+if TYPE_CHECKING:
+    from dspark_jax.draft import DSparkDraft
+    from dspark_jax.target import Target
 
 DISTILL_PROMPT_LEN = 32  # corpus tokens that open each sequence the target writes for distillation
 
@@ -252,7 +256,7 @@ def block_loss_terms(
     return {"ce": ce, "tv": tv, "bce": bce}
 
 
-def draft_blocks(draft, target, tokens: jax.Array, anchors: jax.Array) -> dict[str, jax.Array]:
+def draft_blocks(draft: DSparkDraft, target: Target, tokens: jax.Array, anchors: jax.Array) -> dict[str, jax.Array]:
     """Runs target and draft over every anchored block of a batch.
 
     Args:
@@ -300,7 +304,7 @@ def draft_blocks(draft, target, tokens: jax.Array, anchors: jax.Array) -> dict[s
 
 
 def draft_loss(
-    draft, target, tokens: jax.Array, anchors: jax.Array, tcfg: DraftTrainConfig
+    draft: DSparkDraft, target: Target, tokens: jax.Array, anchors: jax.Array, tcfg: DraftTrainConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The weighted DeepSpec loss of one batch and its mean terms (see the module docstring).
 
@@ -326,7 +330,9 @@ def draft_loss(
 
 
 @functools.lru_cache(maxsize=8)
-def make_draft_train_step(draft_graphdef, target_graphdef, tcfg: DraftTrainConfig) -> Callable:
+def make_draft_train_step(
+    draft_graphdef: nnx.GraphDef[DSparkDraft], target_graphdef: nnx.GraphDef[Target], tcfg: DraftTrainConfig
+) -> Callable:
     """The jitted step ``(params, rest, opt_state, target_state, tokens, anchors) -> (params, opt_state, metrics)``.
 
     Cached on its (hashable) arguments, so runs of the same models and settings in one
@@ -422,7 +428,15 @@ def heldout_windows(
 
 
 def map_heldout_blocks(
-    draft, target, tokens: np.ndarray, fn: Callable, *, batches: int, batch_size: int, seq_len: int, seed: int
+    draft: DSparkDraft,
+    target: Target,
+    tokens: np.ndarray,
+    fn: Callable,
+    *,
+    batches: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
 ) -> list:
     """``fn(blocks)`` (traced; ``blocks`` as :func:`draft_blocks` returns them) for each batch
     of :func:`heldout_windows`, one compiled call per batch; returns their outputs.
@@ -445,7 +459,14 @@ def map_heldout_blocks(
 
 
 def evaluate_draft(
-    draft, target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 8, seq_len: int = 256, seed: int = 1
+    draft: DSparkDraft,
+    target: Target,
+    tokens: np.ndarray,
+    *,
+    batches: int = 8,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    seed: int = 1,
 ) -> dict[str, Any]:
     """Teacher-forced loss terms and acceptance of a draft on a token stream (held-out text).
 
@@ -479,7 +500,7 @@ def evaluate_draft(
 
 
 def distillation_data(
-    target,
+    target: Target,
     tokens: np.ndarray,
     *,
     count: int,
@@ -542,7 +563,7 @@ def distillation_data(
 
 
 def train_draft(
-    target,
+    target: Target,
     draft_cfg: DraftConfig,
     tokens: np.ndarray,
     tcfg: DraftTrainConfig,
@@ -654,7 +675,9 @@ def draft_run_meta(draft_cfg: DraftConfig, tcfg: DraftTrainConfig) -> dict[str, 
     return {"train_config": dataclasses.asdict(tcfg), "draft_config": draft_cfg.to_hf_config()}
 
 
-def check_draft_memory(draft_cfg: DraftConfig, target, tcfg: DraftTrainConfig, *, sizes: str | None = None) -> int:
+def check_draft_memory(
+    draft_cfg: DraftConfig, target: Target, tcfg: DraftTrainConfig, *, sizes: str | None = None
+) -> int:
     """:func:`check_training_memory` for a draft trained against ``target``: the draft's own
     parameters and one step's float32 logits ``[batch_size, anchors_per_seq·rows, V]``.
     ``sizes`` names the settings in the message (default: the fields that set them)."""
@@ -737,6 +760,7 @@ DRAFT_SHAPE_FLAGS = {"gamma": 7, "markov_rank": 64, "layers": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax train-draft`` flags."""
     parser.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
     parser.add_argument("--out", required=True, help="output folder for the draft checkpoint (new, or --resume)")
     parser.add_argument("--steps", type=COUNT, default=2000, help="optimizer steps (default 2000)")

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -25,8 +25,13 @@ from dspark_jax.cli import SEED_MAX, check_checkpoint, check_output_file, loadin
 from dspark_jax.config import check_seed, positive_int
 from dspark_jax.decode_requests import MAX_NEW_TOKENS, MAX_TEMPERATURE
 
+if TYPE_CHECKING:
+    from dspark_jax.draft import DSparkDraft
+    from dspark_jax.target import Target
+    from dspark_jax.tokenizer import Tokenizer
 
-def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
+
+def heldout_prompts(tokenizer: Tokenizer, *, count: int, length: int, seed: int = 0) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens from the held-out corpus, each starting at a line start.
 
     Args:
@@ -55,8 +60,8 @@ def heldout_prompts(tokenizer, *, count: int, length: int, seed: int = 0) -> lis
 
 
 def measure_tau(
-    target,
-    draft,
+    target: Target,
+    draft: DSparkDraft,
     prompts: Sequence[Sequence[int]],
     *,
     temperature: float,
@@ -94,7 +99,7 @@ def measure_tau(
 
 
 def compare_drafts(
-    target,
+    target: Target,
     drafts: dict[str, Any],
     prompts: Sequence[Sequence[int]],
     *,
@@ -182,6 +187,7 @@ def draft_labels(markov_ranks: Sequence[int]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax eval`` flags."""
     parser.add_argument("--target", default=TARGET_DIR, help="target folder with tokenizer.json (default: bundled)")
     parser.add_argument(
         "--draft", default=DRAFT_DIRS["dspark"], help="draft checkpoint (default: bundled DSpark draft)"
@@ -210,6 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``dspark-jax eval``: τ of the draft (and the baseline draft) on held-out prompts at each
+    temperature, printed as tables and optionally written to ``--json``; returns 0.
+
+    Raises:
+      ValueError: a temperature given twice, a bad ``--json``, ``--target`` or draft folder, or
+        prompts and new tokens past the models' positions (checked before the corpus is read).
+    """
     from dspark_jax.checkpoint import load_draft
     from dspark_jax.target import load_target
     from dspark_jax.tokenizer import load_tokenizer

@@ -9,6 +9,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -352,7 +353,7 @@ class DecoderLayer(nnx.Module):
         ctx_k: jax.Array,
         ctx_v: jax.Array,
         ctx_mask: jax.Array,
-        mlp_fn=None,
+        mlp_fn: Callable[[MLP, jax.Array], jax.Array] | None = None,
     ) -> jax.Array:
         """Runs the layer for block rows over context keys and the whole block (the draft).
 
@@ -373,7 +374,14 @@ class DecoderLayer(nnx.Module):
             x, positions, lambda q, k, v: attend_with_context(q, ctx_k, ctx_v, ctx_mask, k, v), mlp_fn=mlp_fn
         )
 
-    def with_attention(self, x: jax.Array, positions: jax.Array, attend_fn, project_fn=None, mlp_fn=None) -> jax.Array:
+    def with_attention(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        attend_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+        project_fn: Callable[[Attention, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]] | None = None,
+        mlp_fn: Callable[[MLP, jax.Array], jax.Array] | None = None,
+    ) -> jax.Array:
         """Runs the layer with a caller-supplied attention over the block's own keys and more.
 
         Args:

@@ -171,7 +171,7 @@ class RNNMarkovHead(MarkovHead):
 MARKOV_HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RNNMarkovHead}
 
 
-def make_markov_head(cfg, *, rngs: nnx.Rngs) -> MarkovHead | None:
+def make_markov_head(cfg: DraftConfig, *, rngs: nnx.Rngs) -> MarkovHead | None:
     """The head ``cfg`` asks for, or ``None`` when ``markov_rank == 0``.
 
     Raises:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ from dspark_jax.kernel_choice import (
     pow2_ceil,
     triton_params,
 )
+
+if TYPE_CHECKING:
+    from dspark_jax.layers import MLP
 
 MLP_ENV = "DSPARK_JAX_MLP"
 """Environment variable choosing the draft MLP's gate/up projections: ``auto`` (default: the
@@ -212,7 +216,7 @@ def swiglu(
     )(x, gate, up)
 
 
-def mlp_forward(mlp, x: jax.Array, *, interpret: bool = False) -> jax.Array:
+def mlp_forward(mlp: MLP, x: jax.Array, *, interpret: bool = False) -> jax.Array:
     """:class:`~dspark_jax.layers.MLP` ``mlp`` applied to ``x [B, S, H]`` with its gate and up
     projections through :func:`swiglu` (an ``mlp_fn`` of
     :meth:`~dspark_jax.layers.DecoderLayer.with_attention`); the down projection stays XLA's.

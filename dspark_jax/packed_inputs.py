@@ -12,11 +12,14 @@ row. Padded rows are zero: slot 0, bonus 0, prefix_len 0, greedy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 # Column indices of the packed inputs.
 SLOT_COL, BONUS_COL, PREFIX_COL, TOP_K_COL, TEMPERATURE_COL, PER_ROW_COL, KEY_COL = range(7)
@@ -58,7 +61,13 @@ def unpack(limits: tuple[int, ...], packed: jax.Array, key: jax.Array) -> dict[s
     }
 
 
-def host_inputs(bonus, prefix_lens, temperatures, top_k, slots) -> tuple[int, np.ndarray, np.ndarray]:
+def host_inputs(
+    bonus: npt.ArrayLike,
+    prefix_lens: npt.ArrayLike,
+    temperatures: npt.ArrayLike,
+    top_k: npt.ArrayLike,
+    slots: npt.ArrayLike | None,
+) -> tuple[int, np.ndarray, np.ndarray]:
     """A call's per-row inputs as packed, unchecked (``Proposer._check`` checks them):
     ``(B, ints [B, 4], temperatures float32 [B])``, ``ints`` the int64 columns slot, bonus,
     prefix_len and top_k (a uint64 beyond int64 wraps negative, a float truncates: the
@@ -105,7 +114,16 @@ def pack_on_host(bucket: int, width: int, ints: np.ndarray, temps: np.ndarray, r
     return packed
 
 
-def pack_on_device(bucket: int, width: int, bonus, prefix_lens, temperatures, top_k, slots, row_keys) -> jax.Array:
+def pack_on_device(
+    bucket: int,
+    width: int,
+    bonus: jax.Array,
+    prefix_lens: jax.Array,
+    temperatures: jax.Array,
+    top_k: jax.Array,
+    slots: jax.Array | None,
+    row_keys: jax.Array | None,
+) -> jax.Array:
     """The packed inputs of :func:`pack_on_host`, built on the device from arrays
     already there: ``[B]`` each (``slots`` None for ``0..B−1``; ``row_keys`` per-row keys,
     typed ``[B]`` or raw ``[B, n]``, or None) → ``[Bp, width]`` uint32, rows ``>= B`` zero

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from dspark_jax.attention_kernel import _load, _store, _whole
 from dspark_jax.kernel_choice import pow2_ceil, triton_params
-from dspark_jax.layers import rope_angles
+from dspark_jax.layers import Attention, rope_angles
 
 
 def _heads(b, s, first: int, count: int, half: int, upper: bool):
@@ -142,7 +142,9 @@ def rotary_table(positions: jax.Array, head_dim: int, theta: float) -> jax.Array
     return jnp.concatenate(rope_angles(positions, head_dim, theta), axis=-1)
 
 
-def project_qkv(attn, x: jax.Array, positions: jax.Array, *, interpret: bool = False):
+def project_qkv(
+    attn: Attention, x: jax.Array, positions: jax.Array, *, interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:meth:`~dspark_jax.layers.Attention.query` and ``key_value`` of ``x [B, S, H]`` through
     :func:`qk_norm_rope` (a ``project_fn`` of :meth:`~dspark_jax.layers.DecoderLayer.with_attention`).
 

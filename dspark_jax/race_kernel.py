@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,9 @@ from dspark_jax.sampling import (
     race_width,
     step_keys,
 )
+
+if TYPE_CHECKING:
+    from dspark_jax.markov import MarkovHead
 
 RACE_ENV = "DSPARK_JAX_RACE"
 """Environment variable choosing the folded walk's sampling step: ``auto`` (default: the
@@ -400,7 +404,7 @@ def step_key_words(keys: jax.Array, gamma: int) -> jax.Array:
 
 
 def raced_markov_walk(
-    head,
+    head: MarkovHead,
     base_logits: jax.Array,
     hidden: jax.Array,
     bonus: jax.Array,

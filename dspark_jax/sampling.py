@@ -106,7 +106,7 @@ def _raw_key_size() -> int:
     return int(jax.random.key_data(jax.random.key(0)).shape[-1])
 
 
-def key_rows(key, batch: int) -> bool:
+def key_rows(key: jax.Array | np.ndarray, batch: int) -> bool:
     """Checks ``key``'s type and shape; returns True for per-row keys, False for one key.
 
     Only static properties (dtype, shape) are read, so this works on tracers.
@@ -141,7 +141,7 @@ def key_rows(key, batch: int) -> bool:
     raise TypeError(f"key has shape {shape} for batch {batch}: expected {allowed}")
 
 
-def check_one_key(key) -> None:
+def check_one_key(key: jax.Array | np.ndarray) -> None:
     """Checks that ``key`` is one PRNG key, for the entry points that split one key themselves.
 
     Only static properties (dtype, shape) are read, so this works on tracers. A typed key
@@ -176,7 +176,7 @@ def _key_dtype_shape(key, allowed: str) -> tuple[Any, tuple[int, ...]]:
     return dtype, tuple(getattr(key, "shape", ()))
 
 
-def row_keys(key, batch: int) -> jax.Array:
+def row_keys(key: jax.Array | np.ndarray, batch: int) -> jax.Array:
     """Normalises ``key`` to typed per-row keys ``[B]``.
 
     One key gives row ``b`` the key ``fold_in(key, b)``, which does not depend on ``B``

@@ -50,6 +50,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """``C``: positions per row."""
         return self.k.shape[2]
 
 
@@ -79,12 +80,18 @@ class Target(Protocol):
     config: TargetConfig
 
     @property
-    def embed_tokens(self) -> jax.Array: ...
+    def embed_tokens(self) -> jax.Array:
+        """The ``[V, H]`` input embedding table."""
+        ...
 
     @property
-    def lm_head(self) -> jax.Array: ...
+    def lm_head(self) -> jax.Array:
+        """The ``[V, H]`` output projection (the embedding table when tied)."""
+        ...
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache: ...
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache of ``capacity`` positions for ``batch`` rows."""
+        ...
 
     def __call__(
         self,
@@ -116,10 +123,12 @@ class Qwen3Target(nnx.Module):
 
     @property
     def embed_tokens(self) -> jax.Array:
+        """The ``[V, H]`` input embedding table."""
         return self.embed.get_value()
 
     @property
     def lm_head(self) -> jax.Array:
+        """The ``[V, H]`` output projection: the embedding table when tied."""
         return self.embed.get_value() if self.head is None else self.head.get_value()
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:

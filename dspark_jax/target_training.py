@@ -27,7 +27,7 @@ from flax import nnx
 
 from dspark_jax.cli import add_save_dtype, as_flags, number_flag
 from dspark_jax.config import TargetConfig, normalise_numbers
-from dspark_jax.target import Qwen3Target
+from dspark_jax.target import Qwen3Target, Target
 from dspark_jax.tokenizer import DEFAULT_SPECIAL_TOKENS
 from dspark_jax.training import (
     COUNT,
@@ -85,7 +85,7 @@ class TargetTrainConfig:
             raise ValueError(f"seq_len={self.seq_len} is invalid: a language-model window needs >= 2 tokens")
 
 
-def lm_loss(target, tokens: jax.Array) -> jax.Array:
+def lm_loss(target: Target, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``tokens [B, S]`` (predicting ``tokens[:, 1:]``)."""
     b, s = tokens.shape
     inputs = tokens[:, :-1]
@@ -94,7 +94,7 @@ def lm_loss(target, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def make_target_train_step(graphdef, optimizer) -> Callable:
+def make_target_train_step(graphdef: nnx.GraphDef[Target], optimizer: optax.GradientTransformation) -> Callable:
     """The jitted step ``(params, rest, opt_state, tokens) -> (params, opt_state, loss)``."""
 
     def step(params, rest, opt_state, tokens):
@@ -213,7 +213,9 @@ def target_run_meta(cfg: TargetConfig, tcfg: TargetTrainConfig) -> dict:
     return {"train_config": dataclasses.asdict(tcfg), "target_config": cfg.to_hf_config()}
 
 
-def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256) -> float:
+def heldout_loss(
+    target: Target, tokens: np.ndarray, *, batches: int = 8, batch_size: int = 16, seq_len: int = 256
+) -> float:
     """Mean next-token cross-entropy (nats) on random windows of a held-out stream."""
     tokens = check_token_stream(tokens, seq_len, target.config.vocab_size)
     graphdef, state = nnx.split(target)
@@ -225,6 +227,7 @@ def heldout_loss(target, tokens: np.ndarray, *, batches: int = 8, batch_size: in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``dspark-jax train-target`` flags."""
     parser.add_argument("--out", required=True, help="output checkpoint folder (new, or --resume)")
     parser.add_argument(
         "--vocab-size",

@@ -232,6 +232,11 @@ class Tokenizer:
         return max(self.id_to_token) + 1
 
     def token_to_id(self, token: str) -> int:
+        """The id of ``token`` (a vocabulary or special token).
+
+        Raises:
+          ValueError: ``token`` is not in the vocabulary.
+        """
         if token not in self.vocab:
             raise ValueError(f"token {token!r} is not in the vocabulary")
         return self.vocab[token]

@@ -212,6 +212,8 @@ class Progress:
         self.first_step: int | None = None
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
+        """Redraws the bar at ``step`` with ``metrics`` and the rate in steps per second since
+        the first update (so resuming does not count the skipped steps)."""
         if not self.enabled:
             return
         if self.first_step is None:
@@ -222,6 +224,7 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
+        """Ends the bar's line."""
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()

@@ -59,6 +59,8 @@ from dspark_jax.sampling import (
 )
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
+
     from dspark_jax.proposal import DraftBlock
 
 # Value rules of the requests' per-row inputs, ``(valid(values) -> bool array, what is allowed)``,
@@ -73,7 +75,9 @@ _PROBABILITIES = (lambda c: (c >= 0) & (c <= 1), "must be a probability in [0, 1
 _RATES = (lambda r: np.isfinite(r) & (r >= 0), "must be a finite rate >= 0 (steps per second)")
 
 
-def required_filter_width(temperatures, top_k, top_p, vocab_size: int) -> int:
+def required_filter_width(
+    temperatures: npt.ArrayLike, top_k: npt.ArrayLike, top_p: npt.ArrayLike, vocab_size: int
+) -> int:
     """The static number of ranks top-k / top-p must examine for these requests (host side).
 
     Only sampling rows count (greedy rows, ``top_k <= 1`` or temperature 0, never read
