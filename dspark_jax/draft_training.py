@@ -652,7 +652,7 @@ def train_draft(
         anchors = sample_anchors(rng, tcfg.batch_size, tcfg.anchors_per_seq, tcfg.seq_len, rows)
         return train_step(params, rest, opt_state, tstate, batch, anchors)
 
-    params, history, done = fit(
+    params, history, done, seconds = fit(
         step_fn,
         params,
         optimizer.init(params),
@@ -667,7 +667,7 @@ def train_draft(
         record_every_step=True,
     )
     nnx.update(draft, params)
-    return TrainResult(model=draft, history=history, step=done)
+    return TrainResult(model=draft, history=history, step=done, seconds=seconds)
 
 
 def draft_run_meta(draft_cfg: DraftConfig, tcfg: DraftTrainConfig) -> dict[str, Any]:
@@ -981,6 +981,7 @@ def run(args: argparse.Namespace) -> int:
         "distilled_sequences": args.distill,
         "distilled_sha256": hashlib.sha256(distilled.tobytes()).hexdigest() if distilled is not None else None,
         "train_seconds": seconds,
+        "train_loop_seconds_all_sessions": result.seconds,
         "final_metrics": (
             {k: v[-1] for k, v in result.history.items()}
             if result.history

@@ -190,7 +190,7 @@ def train_target(
         params, opt_state, loss = train_step(params, rest, opt_state, batch)
         return params, opt_state, {"loss": loss}
 
-    params, history, done = fit(
+    params, history, done, seconds = fit(
         step_fn,
         params,
         optimizer.init(params),
@@ -205,7 +205,7 @@ def train_target(
         record_every_step=False,
     )
     nnx.update(model, params)
-    return TrainResult(model=model, history={"loss": [], **history}, step=done)
+    return TrainResult(model=model, history={"loss": [], **history}, step=done, seconds=seconds)
 
 
 def target_run_meta(cfg: TargetConfig, tcfg: TargetTrainConfig) -> dict:
@@ -378,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         "train_config": dataclasses.asdict(tcfg),
         "steps_done": result.step,
         "train_seconds": seconds,
+        "train_loop_seconds_all_sessions": result.seconds,
         "train_tokens": int(tokens.size),
         "final_train_loss": (
             result.history["loss"][-1] if result.history.get("loss") else recorded_value(args.out, "final_train_loss")

@@ -477,7 +477,7 @@ def fit(
     max_seconds: float | None,
     end: int,
     record_every_step: bool,
-) -> tuple[Any, dict[str, list[float]], int]:
+) -> tuple[Any, dict[str, list[float]], int, float | None]:
     """The training loop both trainers share: resume, step, log, checkpoint, stop.
 
     Args:
@@ -501,9 +501,13 @@ def fit(
     run before anything broken is saved.
 
     Returns:
-      ``(params, history, steps done)``; ``history`` maps each metric to the values read
-      on logged steps (every step with ``record_every_step``). A resumed run with no step
-      left to run returns the metrics its last checkpoint was written with.
+      ``(params, history, steps done, seconds)``; ``history`` maps each metric to the values
+      read on logged steps (every step with ``record_every_step``). A resumed run with no
+      step left to run returns the metrics its last checkpoint was written with.
+      ``seconds`` is the loop's time over every session that made these steps: this one's,
+      plus what the checkpoint it resumed from recorded (each checkpoint keeps the total at
+      its step; steps run after the last checkpoint of a killed session are run again, so
+      they do not count); ``None`` when that checkpoint was written before checkpoints kept it.
 
     Raises:
       ValueError: ``max_seconds`` is not a finite number > 0; on resuming, the checkpoint
@@ -514,14 +518,24 @@ def fit(
     check_max_seconds(max_seconds)
     start = 0
     saved_metrics: dict[str, float] = {}
+    saved_seconds: float | None = 0.0
     if resume:
         check_resume_settings(checkpoint_dir, run_meta)
         (params, opt_state), meta = load_train_state(checkpoint_dir, (params, opt_state))
         start = meta["step"]
         saved_metrics = meta.get("metrics") or {}
+        saved_seconds = meta.get("seconds")
+        if saved_seconds is not None and not (is_real(saved_seconds) and 0 <= saved_seconds < math.inf):
+            raise ValueError(
+                f"checkpoint {checkpoint_dir!r} records seconds={saved_seconds!r}: expected a finite number >= 0"
+            )
     history: dict[str, list[float]] = {}
     bar = Progress(tcfg.steps, enabled=progress)
     started = time.perf_counter()
+
+    def total_seconds() -> float | None:
+        return None if saved_seconds is None else saved_seconds + time.perf_counter() - started
+
     done = start
     for step in range(start, end):
         params, opt_state, metrics = step_fn(params, opt_state, step)
@@ -548,13 +562,14 @@ def fit(
                 f"(whose loss was {metrics['loss']}); stopped before saving (a smaller lr may help)"
             )
         if save:
-            save_train_state(checkpoint_dir, (params, opt_state), {**run_meta, "step": done, "metrics": metrics})
+            meta = {**run_meta, "step": done, "metrics": metrics, "seconds": total_seconds()}
+            save_train_state(checkpoint_dir, (params, opt_state), meta)
         if out_of_time:
             break
     bar.close()
     if not history and saved_metrics:  # a finished run resumed: nothing ran, report where it ended
         history = {k: [float(v)] for k, v in saved_metrics.items()}
-    return params, history, done
+    return params, history, done, (saved_seconds if done == start else total_seconds())
 
 
 def check_heldout_losses(name: str, losses: dict[str, float], step: int) -> None:
@@ -582,11 +597,14 @@ def all_finite(tree: Any) -> bool:
 
 @dataclasses.dataclass
 class TrainResult:
-    """The trained model, the metrics of the steps run, and the last step done."""
+    """The trained model, the metrics of the steps run, the last step done, and the training
+    loop's seconds over every session that made those steps (:func:`fit`; ``None`` where a
+    checkpoint resumed from did not record them)."""
 
     model: nnx.Module
     history: dict[str, list[float]]
     step: int
+    seconds: float | None = None
 
 
 # Argparse types of the trainers' numeric flags: counts and sizes up to int32's largest (step

@@ -316,6 +316,48 @@ def _fit(meta, checkpoint_dir, *, resume=False, max_seconds=None, params=None):
     )
 
 
+def test_fit_counts_the_loop_time_of_every_session_through_its_checkpoints(tmp_path, monkeypatch):
+    """A resumed run's seconds are the first session's (as its checkpoint recorded) plus its own;
+    a run resumed with nothing left reports the checkpoint's; an older checkpoint without them
+    gives None (unknown) rather than a partial count."""
+    clock = [100.0]
+    monkeypatch.setattr(training.time, "perf_counter", lambda: clock[0])
+
+    def session(end, *, resume, seconds_per_step):
+        def step_fn(params, opt_state, step):
+            clock[0] += seconds_per_step
+            return params, opt_state, {"loss": jnp.float32(1.0)}
+
+        tcfg = types.SimpleNamespace(steps=3, log_every=1, checkpoint_every=0)
+        return fit(
+            step_fn, {"w": jnp.zeros(2)}, (), tcfg, name="test", run_meta={}, checkpoint_dir=ckpt,
+            resume=resume, progress=False, max_seconds=None, end=end, record_every_step=True,
+        )  # fmt: skip
+
+    def recorded():
+        with open(os.path.join(ckpt, CHECKPOINT_META)) as f:
+            return json.load(f)["seconds"]
+
+    ckpt = str(tmp_path / "ckpt")
+    assert session(1, resume=False, seconds_per_step=5.0)[2:] == (1, 5.0)
+    assert recorded() == 5.0
+    clock[0] += 1000.0  # time between the sessions is not training
+    assert session(3, resume=True, seconds_per_step=7.0)[2:] == (3, 19.0)
+    assert recorded() == 19.0
+    assert session(3, resume=True, seconds_per_step=7.0)[2:] == (3, 19.0)  # finished: nothing ran
+    with open(os.path.join(ckpt, CHECKPOINT_META)) as f:
+        meta = json.load(f)
+    del meta["seconds"]  # written before checkpoints kept their seconds
+    with open(os.path.join(ckpt, CHECKPOINT_META), "w") as f:
+        json.dump(meta, f)
+    assert session(3, resume=True, seconds_per_step=7.0)[3] is None
+    meta["seconds"] = -1.0
+    with open(os.path.join(ckpt, CHECKPOINT_META), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(ValueError, match=re.escape("records seconds=-1.0: expected a finite number >= 0")):
+        session(3, resume=True, seconds_per_step=7.0)
+
+
 def test_resume_mismatch_names_each_differing_setting(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     _fit({"train_config": {"steps": 8, "lr": 0.1}, "model": {"layers": 2}}, ckpt)
@@ -470,6 +512,22 @@ def test_train_target_cli_saves_no_model_whose_heldout_loss_is_not_finite(tmp_pa
     with pytest.raises(ValueError, match=re.escape(want)):
         target_training.run(_parse(target_training, ["--out", str(out), "--vocab-size", "300"]))
     assert not (out / "training.json").exists()
+
+
+def test_train_target_cli_records_the_loop_time_of_every_session(tmp_path, monkeypatch):
+    _stub_corpus(monkeypatch)
+    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
+    monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
+    tokenizer = types.SimpleNamespace(vocab_size=300, save=lambda path: None)
+    model = Qwen3Target(dataclasses.replace(TARGET_CFG, vocab_size=300), rngs=nnx.Rngs(0))
+    result = TrainResult(model=model, history={"loss": [2.5]}, step=2, seconds=42.5)
+    monkeypatch.setattr("dspark_jax.tokenizer.train_bpe", lambda texts, size: tokenizer)
+    monkeypatch.setattr(target_training, "train_target", lambda *a, **k: result)
+    monkeypatch.setattr(target_training, "heldout_loss", lambda *a, **k: 3.0)
+    out = tmp_path / "out"
+    target_training.run(_parse(target_training, ["--out", str(out), "--vocab-size", "300"]))
+    info = json.loads((out / "training.json").read_text())
+    assert (info["train_loop_seconds_all_sessions"], info["final_train_loss"], info["heldout_loss"]) == (42.5, 2.5, 3.0)
 
 
 def test_train_target_warns_when_the_bpe_comes_out_smaller(tmp_path, monkeypatch, capsys):
@@ -641,7 +699,8 @@ def _stub_training(tmp_path, monkeypatch):
     trained = draft_training._new_draft(cfg, target, 0)
     monkeypatch.setattr("dspark_jax.tokenizer.load_tokenizer", lambda path: types.SimpleNamespace(mask_id=31))
     monkeypatch.setattr("dspark_jax.target.load_target", lambda *a, **k: target)
-    monkeypatch.setattr(draft_training, "train_draft", lambda *a, **k: TrainResult(model=trained, history={}, step=3))
+    result = TrainResult(model=trained, history={}, step=3, seconds=42.5)
+    monkeypatch.setattr(draft_training, "train_draft", lambda *a, **k: result)
     monkeypatch.setattr(draft_training, "evaluate_draft", lambda *a, **k: {"ce": 1.0, "tv": 0.5, "bce": 0.6})
     return target
 
@@ -665,6 +724,7 @@ def test_train_draft_cli_calibrates_before_saving_and_records_the_fit(tmp_path, 
     info = json.loads((tmp_path / "draft" / "training.json").read_text())
     assert info["sts_calibration"]["temperatures"] == [0.5, 0.6, 0.7, 0.8]
     assert info["sts_calibration"]["labels"] == "greedy"
+    assert info["train_loop_seconds_all_sessions"] == 42.5  # the loop's time over every session (fit)
     saved = load_draft(tmp_path / "draft", target=target)
     np.testing.assert_allclose(saved.confidence_head.sts_temperature[...], [0.5, 0.6, 0.7, 0.8], rtol=1e-6)
 
@@ -731,9 +791,9 @@ def test_resuming_a_finished_run_reports_the_loss_it_ended_with(tmp_path):
             record_every_step=False,
         )
 
-    _, first, done = run(resume=False)
+    _, first, done, _ = run(resume=False)
     assert done == 3 and first["loss"] == [10.0, 9.0, 8.0]
-    _, again, done = run(resume=True)  # nothing left to run
+    _, again, done, _ = run(resume=True)  # nothing left to run
     assert done == 3 and again == {"loss": [8.0]}
 
 
