@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 
 SEED_MAX = 2**32 - 1
@@ -210,12 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     cmd_parser = argparse.ArgumentParser(prog=f"dspark-jax {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
-    try:
-        check_environment()
-        return int(module.run(args) or 0)
-    except (ValueError, TypeError) as err:
-        print(f"{cmd_parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():  # restores the way warnings show once the command returns
+        warnings.showwarning = functools.partial(_show_warning, cmd_parser.prog)
+        try:
+            check_environment()
+            return int(module.run(args) or 0)
+        except (ValueError, TypeError) as err:
+            print(f"{cmd_parser.prog}: error: {err}", file=sys.stderr)
+            return 2
+
+
+def _show_warning(prog: str, message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+    """A warning raised while a command runs, as one line like its errors (``dspark-jax generate:
+    warning: …``) rather than Python's source path, line number and code line."""
+    print(f"{prog}: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

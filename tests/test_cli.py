@@ -52,6 +52,22 @@ def test_a_value_or_type_error_from_run_is_one_line_with_status_2(fake_command, 
     assert captured.err == f"dspark-jax fake: error: {error}\n" and captured.out == ""
 
 
+def test_a_warning_while_a_command_runs_is_one_plain_line(fake_command, capsys):
+    """The interrupted-save notice came out as Python's ``path:line: UserWarning: …`` and the code line."""
+    import warnings
+
+    def run(args):
+        warnings.warn("checkpoint folder 'd': finished a save that was cut short", stacklevel=2)
+        return 0
+
+    fake_command.run = run
+    shown = warnings.showwarning
+    assert main(["fake"]) == 0
+    want = "dspark-jax fake: warning: checkpoint folder 'd': finished a save that was cut short\n"
+    assert capsys.readouterr().err == want
+    assert warnings.showwarning is shown  # restored once the command returned
+
+
 def test_other_exceptions_from_run_keep_their_traceback(fake_command):
     fake_command.error = RuntimeError("a bug")
     with pytest.raises(RuntimeError, match="a bug"):
