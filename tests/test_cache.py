@@ -43,6 +43,20 @@ def test_context_mask_takes_a_list_and_refuses_lengths_that_are_not_integers():
             context_mask(lengths, 4)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_default_context_cache_takes_the_drafts_compute_dtype(dtype):
+    """``init_context_cache`` and the Proposer without a ``cache_dtype`` keep the context in
+    the draft's ``dtype`` (a bf16 draft got a float32 cache: twice the memory)."""
+    from dspark_jax.proposer import Proposer
+
+    cfg = tiny_config(dtype=dtype, param_dtype=dtype)
+    cache = init_context_cache(cfg, batch=2, capacity=6)
+    assert cache.k.dtype == cache.v.dtype == jnp.dtype(dtype)
+    draft = random_draft(cfg, seed=0)
+    proposer = Proposer(draft, max_batch=2, capacity=6, executable_store=False, free_bytes=1 << 40)
+    assert proposer.cache_dtype == jnp.dtype(dtype)
+
+
 def test_a_float64_cache_is_refused_without_x64_mode():
     """jax would make it float32 with only a UserWarning."""
     assert not jax.config.jax_enable_x64

@@ -101,6 +101,33 @@ def test_sharded_save_writes_an_index_and_loads_back_identical(tmp_path):
     assert_identical(draft, load_draft(tmp_path))
 
 
+def test_the_index_total_size_is_the_bytes_of_every_tensor_in_the_shards(tmp_path):
+    """``metadata.total_size`` counts bytes (bfloat16 weights 2 each, the float32 confidence
+    head 4), as the Hugging Face index does, not elements."""
+    draft = random_draft(tiny_config(dtype="bfloat16", param_dtype="bfloat16"), seed=6)
+    files = save_draft(draft, tmp_path, max_shard_bytes=8_000, include_borrowed=True)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    nbytes, dtypes = 0, set()
+    for file in files:
+        for tensor in load_file(str(tmp_path / file)).values():
+            nbytes += tensor.nbytes
+            dtypes.add(tensor.dtype)
+    assert dtypes == {np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)}
+    assert index["metadata"]["total_size"] == nbytes
+
+
+@pytest.mark.parametrize(("limit", "shards"), [(80, [["a", "b"]]), (79, [["a"], ["b"]])])
+def test_tensors_that_exactly_fill_max_shard_bytes_share_one_shard(limit, shards, tmp_path):
+    """Shards hold at most ``max_shard_bytes``: two 40-byte tensors fit one shard of 80
+    bytes, and need two at 79."""
+    tensors = {"a": np.arange(10, dtype=np.float32), "b": np.ones(10, np.float32)}
+    files = safetensors_io.write_tensors(str(tmp_path), tensors, max_shard_bytes=limit)
+    assert len(files) == len(shards)
+    assert [sorted(load_file(str(tmp_path / file))) for file in files] == shards
+    weight_map = json.loads((tmp_path / INDEX_NAME).read_text())["weight_map"]
+    assert weight_map == {name: file for file, names in zip(files, shards, strict=True) for name in names}
+
+
 def test_saved_files_are_readable_as_the_umask_allows_like_config_json(tmp_path):
     """safetensors creates its files 0600; every saved file gets config.json's mode."""
     draft = random_draft(tiny_config(), seed=5)
@@ -672,6 +699,25 @@ def test_a_shard_holding_a_tensor_its_index_does_not_map_is_refused(tmp_path):
     save_file({**load_file(shard), "model.extra.weight": np.zeros(3, np.float32)}, shard)
     with pytest.raises(ValueError, match="tensor 'model.extra.weight' is in shard 'part-0.safetensors' but the index"):
         load_draft(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["sub", ".."])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(where, tmp_path):
+    """Only plain file names in the checkpoint folder: ``sub/x`` or ``../x`` is refused even
+    where that file exists."""
+    folder = tmp_path / "ckpt"
+    hf = deepspec_config()
+    write_checkpoint(folder, hf, deepspec_tensors(hf), shards=2)
+    os.makedirs(folder / where, exist_ok=True)
+    os.replace(folder / "part-0.safetensors", folder / where / "part-0.safetensors")
+    index = json.loads((folder / INDEX_NAME).read_text())
+    moved = f"{where}/part-0.safetensors"
+    index["weight_map"] = {n: moved if s == "part-0.safetensors" else s for n, s in index["weight_map"].items()}
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    first = next(n for n, s in index["weight_map"].items() if s == moved)
+    message = f"maps tensor {first!r} to {moved!r}: expected the file name of a shard in the folder"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_draft(folder)
 
 
 def test_a_malformed_shard_index_is_named_with_its_path(tmp_path):

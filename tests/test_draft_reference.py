@@ -47,6 +47,22 @@ def test_rms_norm_matches_reference():
     assert rel_err(got, ref.rms_norm(x, np.asarray(norm.weight[...]), 1e-6)) <= TOL
 
 
+def test_rms_norm_adds_eps_inside_the_root():
+    """``x / sqrt(mean(x²) + eps)``: an all-zero row gives zeros (not NaN), and a row far
+    below ``sqrt(eps)`` is scaled down by eps instead of normalised to unit RMS."""
+    eps = 1e-6
+    norm = RMSNorm(8, eps=eps)
+    x = np.zeros((3, 8))
+    x[1] = 1e-4
+    x[2] = 1e-4 * _rng(2).standard_normal(8)
+    got = np.asarray(norm(_f32(x)), np.float64)
+    want = ref.rms_norm(x, np.ones(8), eps)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5)
+    assert np.abs(got[1] - np.sign(x[1])).min() > 0.5  # not the unit-RMS row eps=0 would give
+
+
 def test_rms_norm_keeps_bfloat16_input_dtype():
     norm = RMSNorm(8, eps=1e-6, param_dtype=jnp.bfloat16)
     assert norm.weight[...].dtype == jnp.bfloat16

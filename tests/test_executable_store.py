@@ -238,3 +238,35 @@ def test_a_draft_of_another_config_but_the_same_shapes_misses_the_store(filled, 
         with CompileCounter() as counter:
             proposer._compile_folded(1, False)
         assert proposer.store.hits == 0 and counter.count == 2 + 1, change
+
+
+def test_a_dspark_environment_variable_is_part_of_the_key(monkeypatch, tmp_path):
+    """``DSPARK_JAX_*`` variables choose kernels (here the context attention), so they change
+    what is compiled: a program saved under one choice must not load under another."""
+    from dspark_jax.attention_kernel import ATTENTION_ENV
+
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    store = ExecutableStore(tmp_path)
+    base = store.key("head", 4, True)
+    monkeypatch.setenv(ATTENTION_ENV, "xla")
+    xla = store.key("head", 4, True)
+    monkeypatch.setenv(ATTENTION_ENV, "pallas")
+    pallas = store.key("head", 4, True)
+    assert len({base, xla, pallas}) == 3
+    monkeypatch.delenv(ATTENTION_ENV)
+    assert store.key("head", 4, True) == base
+
+
+def test_a_corrupt_file_is_a_miss_and_warns_once_for_every_failure(tmp_path):
+    store = ExecutableStore(tmp_path)
+    first, second = store.key("a"), store.key("b")
+    (tmp_path / f"{first}.dsx").write_bytes(b"not a program")
+    (tmp_path / f"{second}.dsx").write_bytes(b"\x80\x04 truncated pickle")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a repeated warning is not hidden by the filters
+        assert store.load(first) is None
+        assert (store.hits, store.misses) == (0, 1)
+        assert store.load(second, copies=2) is None
+        assert (store.hits, store.misses, store.saves) == (0, 2, 0)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "could not be loaded" in messages[0] and first in messages[0]

@@ -15,6 +15,7 @@ from flax import nnx
 from dspark_jax.config import DraftConfig, TargetConfig
 from dspark_jax.draft import DSparkDraft
 from dspark_jax.generation import (
+    _cut,
     _verify_scheduled,
     generate,
     measure_verify_schedule,
@@ -391,6 +392,61 @@ def test_plain_verified_tokens_are_the_decode_steps_of_every_request(small_pair,
     mixed = run(max_new_tokens=[5, 2, 3])
     assert [len(t) for t in mixed.tokens] == [5, 2, 3]
     assert mixed.verified_tokens == (5 - 1) + (2 - 1) + (3 - 1)
+
+
+def test_each_requests_tau_counts_only_the_rounds_it_took_part_in(greedy_setup):
+    """Greedy rows are independent, so each row's tau in a batch whose rows finish at
+    different rounds equals its tau decoded alone (a finished row's later rounds counted
+    in made it too small); a request done at its first token (max_new_tokens=1) took
+    part in no round: tau NaN."""
+    target, bigram, prompts, _, _ = greedy_setup
+    draft = _rigged_draft(target, bigram, gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    rows = [0, 1, 2, 3]
+    max_new = [1, 3, 9, 24]
+    run = functools.partial(speculative_generate, target, draft, key=jax.random.key(1), capacity=CAPACITY)
+    batch = run([prompts[b] for b in rows], max_new_tokens=max_new)
+    assert [len(t) for t in batch.tokens] == max_new
+    assert np.isnan(batch.tau[0])
+    alone = [run([prompts[b]], max_new_tokens=n) for b, n in zip(rows[1:], max_new[1:], strict=True)]
+    assert [a.tokens[0] for a in alone] == batch.tokens[1:]
+    assert batch.tau[1:] == [a.tau[0] for a in alone]
+    assert len({a.rounds for a in alone}) == 3 and all(t >= 1 for t in batch.tau[1:])
+
+
+def test_cut_keeps_each_row_through_its_first_stop_token_and_within_max_new_tokens():
+    """Stop lists are −1 padded; the id 0 is a stop token like any other."""
+    out = np.array([[3, 0, 5, 0, 7, 9], [4, 2, 0, 2, 1, 0], [6, 6, 6, 6, 6, 6]], np.int32)
+    n_out = np.array([6, 6, 5])
+    max_new = np.array([6, 4, 6])
+    stop = np.array([[0, -1], [2, -1], [-1, -1]], np.int32)
+    assert _cut(out, n_out, max_new, stop) == [[3, 0], [4, 2], [6, 6, 6, 6, 6]]
+    assert _cut(out, n_out, np.array([6, 6, 2]), np.array([[5, 0], [-1, -1], [1, -1]], np.int32)) == [
+        [3, 0],
+        [4, 2, 0, 2, 1, 0],
+        [6, 6],
+    ]
+
+
+def test_stop_token_id_0_ends_the_output_after_its_first_occurrence(greedy_setup):
+    """Rounds accept several tokens at once, so the round that emits a 0 may emit more after
+    it; the output is still cut right after the first 0, as for any stop token."""
+    target, bigram, prompts, _, _ = greedy_setup
+    # This target never emits 0: swapping ids 0 and 21 (a common one) in both of its tables
+    # makes one that emits 0 where it emits 21.
+    swap = np.arange(V)
+    swap[[0, 21]] = [21, 0]
+    swapped = Qwen3Target(target.config, rngs=nnx.Rngs(0))
+    nnx.update(swapped, nnx.state(target))
+    for table in (swapped.embed, swapped.head):
+        table.set_value(table.get_value()[swap])
+    draft = _rigged_draft(swapped, swap[bigram[swap]], gamma=4, sample_from_anchor=True, keep=0.7, strength=100.0)
+    rows = prompts[:12]
+    plain = generate(swapped, rows, max_new_tokens=24, key=jax.random.key(0), capacity=CAPACITY).tokens
+    assert sum(0 in t[:-1] for t in plain) >= 3  # the 0 ends several rows early
+    out = speculative_generate(
+        swapped, draft, rows, max_new_tokens=24, stop_tokens=[0], key=jax.random.key(1), capacity=CAPACITY
+    )
+    assert out.tokens == [t[: t.index(0) + 1] if 0 in t else t for t in plain]
 
 
 # ---------------------------------------------------------------- lossless sampling

@@ -160,3 +160,62 @@ def test_sampling_extra_bytes_of_real_executables_counts_the_other_programs():
     assert sampling_extra_bytes(large, small, (larger,)) < alone
     assert sampling_extra_bytes(small, large, (larger,)) == 0
     assert sampling_extra_bytes(small, small) == 0
+
+
+@pytest.mark.parametrize("blank", ["  ", "\t", " \n "])
+def test_a_blank_environment_variable_means_auto(monkeypatch, blank):
+    monkeypatch.setenv(ENV_VAR, blank)
+    assert FoldedSampling.resolve() is FoldedSampling.AUTO
+    assert plan_folded_sampling(free_bytes=NEEDED + GIB, **SHAPE).mode is FoldedSampling.AUTO
+
+
+def test_force_hint_advises_the_argument_when_given_else_the_environment_variable():
+    """The argument overrides the variable, so setting the variable only helps where no
+    argument was given (the module docstring's rule)."""
+    from dspark_jax.memory_gate import force_hint
+
+    for given in ("auto", "AUTO", FoldedSampling.AUTO, FoldedSampling.OFF, "force"):
+        hint = force_hint(given)
+        assert 'folded_sampling="force"' in hint and ENV_VAR not in hint, given
+    hint = force_hint(None)
+    assert f"{ENV_VAR}=FORCE" in hint and 'folded_sampling="force"' in hint
+
+
+class _Device:
+    """A device stand-in for :func:`free_device_bytes`: ``stats`` from ``memory_stats()``, or
+    no ``memory_stats`` at all (as a backend that reports none)."""
+
+    def __init__(self, stats=None):
+        if stats is not None:
+            self.memory_stats = lambda: stats
+
+
+def test_free_device_memory_is_the_limit_less_what_is_in_use(monkeypatch):
+    device = _Device({"bytes_limit": 10 * GIB, "bytes_in_use": 7 * GIB})
+    assert free_device_bytes(device) == 3 * GIB
+    assert free_device_bytes(_Device({"bytes_limit": 10 * GIB})) == 10 * GIB  # nothing in use
+    # AUTO measures the first device: 3 GiB free, 2.5 GiB needed leaves less than the 1 GiB headroom
+    from dspark_jax import memory_gate
+
+    monkeypatch.setattr(memory_gate.jax, "devices", lambda: [device])
+    short = plan_folded_sampling("auto", compiled_bytes=5 * GIB // 2, **SHAPE)
+    assert short.free_bytes == 3 * GIB and not short.enabled
+    fits = plan_folded_sampling("auto", compiled_bytes=2 * GIB, **SHAPE)
+    assert fits.free_bytes == 3 * GIB and fits.enabled
+
+
+def test_free_host_memory_reads_mem_available_in_kilobytes(monkeypatch):
+    """``/proc/meminfo`` gives kB (units of 1024 bytes): a device without memory statistics
+    (the CPU) reports ``MemAvailable`` in bytes."""
+    import io
+
+    from dspark_jax import memory_gate
+
+    meminfo = "MemTotal:        8192 kB\nMemFree:         1024 kB\nMemAvailable:    2048 kB\nBuffers:  1 kB\n"
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        return io.StringIO(meminfo) if str(path) == "/proc/meminfo" else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(memory_gate, "open", fake_open, raising=False)
+    assert free_device_bytes(_Device()) == 2048 * 1024 == 2_097_152

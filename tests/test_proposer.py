@@ -775,3 +775,42 @@ def test_a_call_without_slots_and_more_rows_than_slots_says_rows_use_the_first_s
     ):
         proposer(cache, **args, key=jax.random.key(0))
     assert counter.count == 0
+
+
+@pytest.mark.parametrize("temperature", [-1e-30, -0.5, -1.0])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_negative_temperature_is_refused_after_precompile(forced, on_device, temperature):
+    """Temperatures must be >= 0 (0 = greedy): a slightly negative one is refused as a large
+    one is, by the quick check (note 58) on host inputs and on inputs already on the device."""
+    draft, proposer, cache = forced
+    args = dict(
+        bonus=np.array([3, 5], np.int32),
+        prefix_lens=np.array([2, 4], np.int32),
+        temperatures=np.array([1.0, temperature], np.float32),
+        top_k=np.full(2, TOP_K_ALL, np.int32),
+        slots=np.array([1, 3], np.int32),
+    )
+    if on_device:
+        args = {name: jnp.asarray(value) for name, value in args.items()}
+    with pytest.raises(ValueError, match=r"temperatures\[1\]=-[0-9.e-]+ is invalid: must be >= 0"):
+        proposer(cache, **args, key=jax.random.key(0))
+
+
+def test_the_closed_gate_warns_once_however_often_it_is_planned_closed():
+    """A Proposer warns once that sampling takes the eager path, even where the gate is
+    planned closed again (as precompile re-plans it with XLA's estimate)."""
+    import warnings
+
+    from dspark_jax.memory_gate import GIB, plan_folded_sampling
+
+    draft = random_draft(tiny_config(**CFG), seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a repeated warning is not hidden by the filters
+        proposer = Proposer(draft, max_batch=1, capacity=CAPACITY, folded_sampling="auto", free_bytes=GIB // 2)
+        assert not proposer.gate.enabled
+        for extra in (GIB // 4, GIB // 8):  # short of the 1 GiB headroom again
+            replanned = plan_folded_sampling(proposer.gate.mode, compiled_bytes=extra, **proposer._gate_kwargs())
+            proposer._set_gate(replanned)
+            assert not proposer.gate.enabled and proposer.gate.compiled_bytes == extra
+    disabled = [w for w in caught if issubclass(w.category, RuntimeWarning) and "disabled" in str(w.message)]
+    assert len(disabled) == 1

@@ -580,3 +580,89 @@ def test_an_index_mapping_a_tensor_to_the_wrong_shard_or_to_no_file_is_named(tmp
     index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"], "lm_head.weight": 5}}))
     with pytest.raises(ValueError, match="maps tensor 'lm_head.weight' to 5: expected the file name of a shard"):
         load_target(tmp_path)
+
+
+def _edit_config(path, **fields) -> None:
+    """Sets (or, with ``None``, removes) fields of the checkpoint's ``config.json``."""
+    config = path / "config.json"
+    hf = json.loads(config.read_text())
+    for name, value in fields.items():
+        if value is None:
+            hf.pop(name, None)
+        else:
+            hf[name] = value
+    config.write_text(json.dumps(hf))
+
+
+@pytest.mark.parametrize(
+    ("stored", "want"),
+    [
+        (dict(torch_dtype="bfloat16"), "bfloat16"),
+        (dict(torch_dtype=None, dtype="float16"), "float16"),
+        (dict(torch_dtype="bfloat16", dtype="float16"), "bfloat16"),  # torch_dtype first
+        (dict(torch_dtype="float64"), "float32"),  # not a dtype the target runs in
+        (dict(torch_dtype=None), "float32"),
+    ],
+    ids=["torch_dtype", "dtype", "both", "unknown-name", "none"],
+)
+def test_load_target_without_a_dtype_takes_the_checkpoints_torch_dtype_or_dtype(tmp_path, stored, want):
+    cfg = _cfg()
+    tensors = _hf_tensors(cfg, seed=4)
+    _write_hf(tmp_path, cfg, tensors)
+    _edit_config(tmp_path, **stored)
+    target = load_target(tmp_path)
+    assert target.config.dtype == target.config.param_dtype == want
+    kernel = target.layers[0].mlp.up_proj.kernel.get_value()
+    assert kernel.dtype == target.embed_tokens.dtype == jnp.dtype(want)
+    np.testing.assert_array_equal(
+        np.asarray(kernel), tensors["model.layers.0.mlp.up_proj.weight"].T.astype(jnp.dtype(want))
+    )
+
+
+def test_a_tied_checkpoint_may_store_lm_head_only_as_an_exact_copy_of_the_embedding(tmp_path):
+    cfg = _cfg(tie_word_embeddings=True)
+    tensors = _hf_tensors(cfg, seed=5)
+    embed = tensors["model.embed_tokens.weight"]
+    _write_hf(tmp_path / "copy", cfg, tensors | {"lm_head.weight": embed.copy()})
+    target = load_target(tmp_path / "copy")
+    np.testing.assert_array_equal(np.asarray(target.lm_head), embed)
+    tokens = [3, 1, 4]
+    np.testing.assert_allclose(_logits(target, tokens), _numpy_forward(tensors, cfg, tokens), rtol=1e-4, atol=1e-4)
+    other = embed.copy()
+    other[2, 3] += 0.5
+    _write_hf(tmp_path / "differs", cfg, tensors | {"lm_head.weight": other})
+    message = "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+    with pytest.raises(ValueError, match=message):
+        load_target(tmp_path / "differs")
+
+
+def test_a_tensor_in_a_shard_that_the_index_does_not_map_is_refused(tmp_path):
+    """An index that omits a stored tensor is refused, naming the tensor and its shard,
+    instead of the tensor being loaded from wherever it lies."""
+    save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(3)), tmp_path, max_shard_bytes=4000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop("model.norm.weight")
+    index_path.write_text(json.dumps(index))
+    message = f"tensor 'model.norm.weight' is in shard '{shard}' but the index does not map it there"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_target(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["sub", ".."])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, where):
+    """Only plain file names in the checkpoint folder: ``sub/x`` or ``../x`` is refused even
+    where that file exists."""
+    folder = tmp_path / "ckpt"
+    save_target(Qwen3Target(_cfg(), rngs=nnx.Rngs(3)), folder, max_shard_bytes=4000)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    os.makedirs(folder / where, exist_ok=True)
+    os.replace(folder / shard, folder / where / shard)
+    moved = f"{where}/{shard}"
+    index["weight_map"] = {name: moved if s == shard else s for name, s in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    message = f"maps tensor '{next(n for n, s in index['weight_map'].items() if s == moved)}' to '{moved}': "
+    with pytest.raises(ValueError, match=re.escape(message + "expected the file name of a shard in the folder")):
+        load_target(folder)

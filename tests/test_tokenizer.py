@@ -1,6 +1,7 @@
 """The byte-level BPE tokenizer: round trips, merges, the tokenizer.json file."""
 
 import collections
+import itertools
 import json
 
 import jax
@@ -395,3 +396,90 @@ def test_decode_names_an_id_inside_the_range_that_no_token_has(tok):
         gappy.decode([4000])
     with pytest.raises(ValueError, match=r"ids\[0\]=5001 is outside the vocabulary \(ids 0..5000\)"):
         gappy.decode([5001])
+
+
+def _gpt2_bytes_to_unicode():
+    """GPT-2's table, written out: the printable bytes '!'..'~', '¡'..'¬' and '®'..'ÿ' map to
+    themselves; every other byte, in byte order, to the next character from U+0100 upward."""
+    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(0x100 + j) for j, b in enumerate(others)}}
+
+
+def test_byte_table_is_gpt2s():
+    table = bytes_to_unicode()
+    assert table == _gpt2_bytes_to_unicode()
+    assert table[0x20] == "Ġ" and table[0x0A] == "Ċ" and table[0xAD] == "Ń" and table[0xAC] == "¬"
+    assert len(set(table.values())) == 256
+
+
+def _byte_vocab(specials=()):
+    """Every byte symbol and then ``specials``, numbered in order (no merges)."""
+    vocab = {c: b for b, c in bytes_to_unicode().items()}
+    vocab.update({t: len(vocab) + j for j, t in enumerate(specials)})
+    return vocab
+
+
+@pytest.mark.parametrize("specials", [["<|a|>", "<|a|>x"], ["<|a|>x", "<|a|>"]])
+def test_the_longest_special_token_matches_first_whatever_their_order(specials):
+    tok = Tokenizer(_byte_vocab(specials), [], specials)
+    long, short = tok.vocab["<|a|>x"], tok.vocab["<|a|>"]
+    assert tok.encode("<|a|>x") == [long]
+    assert tok.encode("<|a|>y<|a|>x<|a|>") == [short, tok.vocab["y"], long, short]
+    assert tok.decode(tok.encode("<|a|>x<|a|>")) == "<|a|>x<|a|>"
+
+
+def test_merges_are_learned_only_for_pairs_that_occur_at_least_twice():
+    single = train_bpe(["ab cd"], 400)
+    assert single.merges == [] and single.vocab_size == 256 + 2  # every pair occurs once
+    assert train_bpe(["ab ab"], 400).merges[0] == ("a", "b")  # "ab" twice, " a" once
+    import re
+
+    byte_char = bytes_to_unicode()
+    words = collections.Counter(w for text in TEXTS for w in re.findall(WORD_PATTERN, text))
+    seqs = {w: [byte_char[b] for b in w.encode()] for w in words}
+    tok = train_bpe(TEXTS, 2000)  # more ids than the text's repeated pairs can fill
+    assert len(tok.merges) > 0 and tok.vocab_size < 2000
+    for a, b in tok.merges:  # recount each pair, as the merges before it left the words
+        count = sum(n for w, n in words.items() for pair in itertools.pairwise(seqs[w]) if pair == (a, b))
+        assert count >= 2, (a, b, count)
+        for w, seq in seqs.items():
+            merged, i = [], 0
+            while i < len(seq):
+                if seq[i : i + 2] == [a, b]:
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(seq[i])
+                    i += 1
+            seqs[w] = merged
+
+
+def _qwen_bytes_tokenizer():
+    """A Qwen-pattern, NFC tokenizer of the byte symbols alone."""
+    return Tokenizer(_byte_vocab([EOS_TOKEN]), [], [EOS_TOKEN], pattern=QWEN_PATTERN, normalizer="NFC")
+
+
+def test_nfc_composes_accents_but_keeps_compatibility_characters():
+    """NFC composes "e" + U+0301 into "é" but, unlike NFKC, keeps the ligature "ﬁ", the circled
+    digit "①" and the fullwidth "ｘ" (NFKC would give "fi", "1" and "x")."""
+    tok = _qwen_bytes_tokenizer()
+    text = "ﬁ ① ｘ"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode(text) == [tok.vocab[c] for c in "".join(bytes_to_unicode()[b] for b in text.encode())]
+    assert tok.encode("e\u0301") == tok.encode("é") and tok.decode(tok.encode("e\u0301")) == "é"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [("a \x85b", ["a", " ", "\x85b"]), ("!\x85a", ["!", "\x85a"])],
+)
+def test_qwen_split_counts_next_line_as_whitespace(text, words):
+    """U+0085 (NEL) is in Oniguruma's ``\\s``, which the Hugging Face library matches the Qwen
+    pattern with (these are its splits). So in "a \\x85b" the space cannot start the
+    punctuation branch `` ?[^\\s\\p{L}\\p{N}]+`` (NEL is whitespace), ``\\s+(?!\\S)`` takes the
+    space alone, and NEL then prefixes the letters (``[^\\r\\n\\p{L}\\p{N}]?\\p{L}+``); in
+    "!\\x85a" the punctuation run stops before NEL."""
+    from dspark_jax.tokenizer import _split_regex
+
+    assert _split_regex(QWEN_PATTERN).findall(text) == words
