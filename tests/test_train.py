@@ -569,3 +569,80 @@ def test_distillation_data_is_half_greedy_half_sampled():
         key=jax.random.fold_in(jax.random.key(3), 0),
     )
     np.testing.assert_array_equal(out[:, 6:], np.asarray(sampled.tokens))
+
+
+# --------------------------------------------------------------------------- fourth mutation audit
+def test_a_layer_id_equal_to_the_targets_depth_is_refused():
+    """Ids name target layers ``0 … L−1`` (``-1`` the embedding): ``L`` is one past the last."""
+    import dataclasses
+
+    depth = TARGET_CFG.num_hidden_layers
+    bad = dataclasses.replace(DRAFT_CFG, target_layer_ids=(0, depth), num_target_layers=None)
+    with pytest.raises(ValueError, match=re.escape(f"ids must lie in -1 <= id < {depth}")):
+        check_draft_fits(bad, TARGET_CFG, 24)
+    check_draft_fits(dataclasses.replace(bad, target_layer_ids=(-1, depth - 1)), TARGET_CFG, 24)
+
+
+def test_a_sequence_longer_than_the_targets_positions_is_refused():
+    """Training runs the target over the whole window too, not only the draft."""
+    import dataclasses
+
+    short = dataclasses.replace(TARGET_CFG, max_position_embeddings=20)
+    assert DRAFT_CFG.max_position_embeddings >= 24
+    with pytest.raises(ValueError, match=re.escape("seq_len=24 exceeds max_position_embeddings")):
+        check_draft_fits(DRAFT_CFG, short, 24)
+    check_draft_fits(DRAFT_CFG, short, 20)
+
+
+def test_the_default_draft_takes_the_targets_norm_and_rope_and_needs_a_markov_head_for_its_markov_input():
+    import dataclasses
+
+    other = dataclasses.replace(TARGET_CFG, rms_norm_eps=3e-5, rope_theta=12345.0, max_position_embeddings=96)
+    cfg = default_draft_config(other, mask_token_id=MASK, gamma=4, markov_rank=8, num_layers=1)
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.max_position_embeddings) == (3e-5, 12345.0, 96)
+    assert cfg.confidence_head_with_markov
+    dflash = default_draft_config(other, mask_token_id=MASK, gamma=4, markov_rank=0, num_layers=1)
+    assert dflash.enable_confidence_head and not dflash.confidence_head_with_markov
+
+
+def test_heldout_anchors_are_every_fourth_position_with_context_and_their_block_inside():
+    """Like the training anchors (``1 … S − R − 1``): a non-empty context before each."""
+    rows = DRAFT_CFG.num_query_rows
+    windows = draft_training.heldout_windows(DRAFT_CFG, TARGET_CFG, TOKENS, batches=2, batch_size=3, seq_len=24, seed=0)
+    for _, anchors in windows:
+        want = [a for a in range(1, 24 - rows) if a % 4 == 1]
+        assert anchors.shape == (3, len(want)) and (anchors == want).all()
+
+
+def test_heldout_scores_average_every_batch(target):
+    """Two batches of one window score as one batch of both windows (the same windows, the
+    same number of blocks each), not as the first batch alone."""
+    draft = draft_training._new_draft(DRAFT_CFG, target, 0)
+    two = evaluate_draft(draft, target, TOKENS, batches=2, batch_size=1, seq_len=24, seed=3)
+    one = evaluate_draft(draft, target, TOKENS, batches=1, batch_size=2, seq_len=24, seed=3)
+    first = evaluate_draft(draft, target, TOKENS, batches=1, batch_size=1, seq_len=24, seed=3)
+    for name in ("ce", "tv", "bce", "tau_t1", "tau_greedy", "accept_t1"):
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, err_msg=name)
+    assert not np.allclose(two["ce"], first["ce"], rtol=1e-3)
+
+
+def test_every_distilled_sequence_reaches_the_batches(target, monkeypatch):
+    """The first ``batch_size // 2`` rows of each batch are distilled sequences drawn from all
+    of them, the last included; the rest are windows of the text (the step is a recorder)."""
+    seen = []
+
+    def recorder(step, args, sizes, **kwargs):
+        def run(params, rest, opt_state, tstate, batch, anchors):
+            seen.append(np.asarray(batch))
+            return params, opt_state, {"loss": jnp.float32(1.0)}
+
+        return run
+
+    monkeypatch.setattr(draft_training, "compile_training_step", recorder)
+    assert MASK not in TOKENS  # so a row holding MASK comes from the distilled sequences
+    distilled = np.stack([np.tile([MASK, i], 12) for i in range(3)]).astype(np.int32)  # [3, 24]
+    train_draft(target, DRAFT_CFG, TOKENS, _tcfg(steps=30, batch_size=4), distilled=distilled, progress=False)
+    batches = np.stack(seen)  # [steps, B, S]
+    assert batches.shape == (30, 4, 24)
+    assert (batches[:, :2, 0] == MASK).all() and set(batches[:, :2, 1].ravel()) == {0, 1, 2}
+    assert not (batches[:, 2:] == MASK).any()
