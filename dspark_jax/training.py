@@ -139,14 +139,24 @@ def check_token_stream(tokens: np.ndarray, seq_len: int, vocab_size: int) -> np.
 
 
 def save_train_state(path: str, tree: Any, meta: dict) -> None:
-    """Writes every leaf of ``tree`` (parameters, optimizer state) and ``meta`` (step, seed, …)."""
+    """Writes every leaf of ``tree`` (parameters, optimizer state) and ``meta`` (step, seed, …).
+
+    ``.npz`` files hold NumPy's own dtypes only: a bfloat16 leaf (a ``param_dtype='bfloat16'``
+    run) is stored as its 16-bit pattern (``uint16``) and ``meta``'s ``"dtypes"`` names every
+    leaf's dtype, so :func:`load_train_state` reads it back bit for bit.
+    """
     os.makedirs(path, exist_ok=True)
-    leaves = jax.tree.leaves(tree)
+    arrays = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    stored = {
+        f"leaf_{i:05d}": a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" else a  # "V": bfloat16's kind
+        for i, a in enumerate(arrays)
+    }
     tmp = os.path.join(path, CHECKPOINT_ARRAYS + ".tmp.npz")
-    np.savez(tmp, **{f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+    np.savez(tmp, **stored)
     os.replace(tmp, os.path.join(path, CHECKPOINT_ARRAYS))
+    dtypes = [a.dtype.name for a in arrays]
     with open(os.path.join(path, CHECKPOINT_META), "w") as f:
-        json.dump({**meta, "num_leaves": len(leaves)}, f, indent=2)
+        json.dump({**meta, "num_leaves": len(arrays), "dtypes": dtypes}, f, indent=2)
 
 
 def read_train_meta(path: str) -> dict:
@@ -185,17 +195,24 @@ def load_train_state(path: str, like: Any) -> tuple[Any, dict]:
     """Reads a checkpoint written by :func:`save_train_state` into the structure of ``like``.
 
     Raises:
-      ValueError: the checkpoint is missing, its metadata is not a JSON object, or its
-        arrays do not fit ``like``.
+      ValueError: the checkpoint is missing, its metadata is not a JSON object or names
+        malformed dtypes, or its arrays do not fit ``like``.
     """
     meta = read_train_meta(path)
     leaves, treedef = jax.tree.flatten(like)
     if meta["num_leaves"] != len(leaves):
         raise ValueError(f"checkpoint {path!r} has {meta['num_leaves']} arrays; this model needs {len(leaves)}")
+    dtypes = meta.get("dtypes")  # absent from checkpoints written before bfloat16 leaves were kept
+    if dtypes is not None and not (
+        isinstance(dtypes, list) and len(dtypes) == len(leaves) and all(isinstance(d, str) for d in dtypes)
+    ):
+        raise ValueError(f"checkpoint {path!r} has dtypes={dtypes!r}: expected one dtype name per array")
     with np.load(os.path.join(path, CHECKPOINT_ARRAYS)) as data:
         new = []
         for i, ref in enumerate(leaves):
             value = data[f"leaf_{i:05d}"]
+            if dtypes is not None and value.dtype.name != dtypes[i]:  # a bit pattern (save_train_state)
+                value = value.view(jnp.dtype(dtypes[i]))
             if value.shape != np.shape(ref):
                 raise ValueError(f"checkpoint array {i} has shape {value.shape}; the model needs {np.shape(ref)}")
             new.append(jnp.asarray(value, dtype=jnp.asarray(ref).dtype))
