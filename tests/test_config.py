@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -337,3 +338,47 @@ def test_malformed_config_json_is_named_with_its_path(tmp_path):
     for read in (DraftConfig.from_pretrained, TargetConfig.from_pretrained):
         with pytest.raises(ValueError, match=re.escape(f"{str(path)!r} is not valid JSON")):
             read(tmp_path)
+
+
+SMALL_QWEN3 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("heads", [4, 2])
+def test_a_file_without_head_dim_splits_hidden_size_evenly_across_its_heads(heads):
+    """Without ``head_dim`` (or ``num_key_value_heads``), a head is ``hidden_size //
+    num_attention_heads`` wide and every query head has its own KV head (the Qwen2/Llama
+    reading), in all three forms. 64 // 4 = 16 and 64 // 2 = 32: neither is a fixed width."""
+    hf = {**SMALL_QWEN3, "num_attention_heads": heads}
+    want = (64 // heads, heads)
+    target = TargetConfig.from_hf_config(hf)
+    assert (target.head_dim, target.num_key_value_heads) == want
+    draft_extra = {"mask_token_id": 99, "target_layer_ids": [0, 1], "num_target_layers": 2, "block_size": 4}
+    deepspec = DraftConfig.from_hf_config({**hf, **draft_extra})
+    speculators = DraftConfig.from_hf_config(
+        speculators_dict(transformer_layer_config=hf, draft_vocab_size=100, mask_token_id=99)
+    )
+    for cfg in (deepspec, speculators):
+        assert (cfg.head_dim, cfg.num_key_value_heads) == want
+
+
+def test_a_file_without_the_optional_fields_gets_the_configs_own_defaults():
+    """A config.json that leaves out ``max_position_embeddings``, ``rms_norm_eps``,
+    ``rope_theta`` and ``attention_bias`` reads as the dataclass built in code without them:
+    one default per field, whether the config comes from a file or from Python. (These are
+    the released Qwen3 checkpoints' values, ``QWEN3_8B`` above, not ``transformers``'s
+    ``Qwen3Config`` class defaults, 32768 and 1e4.)"""
+    hf = {**SMALL_QWEN3, "num_attention_heads": 4}
+    from_file = TargetConfig.from_hf_config(hf)
+    in_code = TargetConfig(**hf, num_key_value_heads=4, head_dim=16)
+    optional = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias")
+    defaults = {f.name: f.default for f in dataclasses.fields(TargetConfig) if f.name in optional}
+    assert {name: getattr(from_file, name) for name in optional} == defaults
+    assert from_file == in_code
+    assert (defaults["max_position_embeddings"], defaults["rope_theta"]) == (
+        QWEN3_8B["max_position_embeddings"],
+        QWEN3_8B["rope_theta"],
+    )
+    assert (defaults["rms_norm_eps"], defaults["attention_bias"]) == (QWEN3_8B["rms_norm_eps"], False)
+    draft = DraftConfig.from_hf_config({**hf, "mask_token_id": 99, "target_layer_ids": [0], "num_target_layers": 2})
+    draft_defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig) if f.name in optional}
+    assert {name: getattr(draft, name) for name in optional} == draft_defaults == defaults

@@ -27,3 +27,12 @@ def test_the_default_capacity_is_the_smallest_multiple_of_16_holding_every_reque
             assert got % 16 == 0 and need <= got < need + 16, (prompt, max_new, got)
             assert got == bucket(need)
             assert cache_capacity(need, lengths, new, lookahead) == need  # a given capacity is kept
+
+
+@pytest.mark.parametrize("step", [1, 8, 16])
+def test_bucket_is_the_smallest_multiple_of_step_at_least_n(step):
+    """Brute force: the first of step, 2·step, … that is >= n (a multiple is kept: 16 → 16)."""
+    for n in range(1, 200):
+        want = next(m for m in range(step, 10 * n + step, step) if m >= n)
+        assert bucket(n, step) == want, (n, step)
+    assert (bucket(16), bucket(17)) == (16, 32)

@@ -177,3 +177,55 @@ def test_measure_tau_decodes_at_the_temperature_it_is_given():
     assert got[1.0]["tau"] == want.tau_overall
     assert got[1.0]["acceptance_by_position"] == want.acceptance_by_position
     assert got[0.0]["acceptance_by_position"] != got[1.0]["acceptance_by_position"]
+
+
+class _NewlineTokenizer:
+    """Token 0 decodes to a newline, every other id to a letter."""
+
+    vocab_size = 20
+
+    def decode(self, ids):
+        return "".join("\n" if i == 0 else chr(ord("a") + i) for i in ids)
+
+
+def test_heldout_prompts_never_repeat_a_window_when_there_are_enough_starts(monkeypatch):
+    """With exactly ``count`` line starts, the ``count`` prompts are those windows, each once
+    (drawn without replacement), whatever the seed."""
+    import types
+
+    from dspark_jax import corpus
+
+    count, length = 5, 2
+    # 0 (newline) then a distinct 2-token window, five times, then one trailing token.
+    stream = np.array([t for k in range(1, count + 1) for t in (0, k, 10 + k)] + [19], np.int32)
+    monkeypatch.setattr(corpus, "load_corpus", lambda: types.SimpleNamespace(texts=lambda split: ["unused"]))
+    monkeypatch.setattr(corpus, "encode_documents", lambda tok, texts: stream)
+    windows = sorted([k, 10 + k] for k in range(1, count + 1))
+    for seed in range(10):
+        prompts = heldout_prompts(_NewlineTokenizer(), count=count, length=length, seed=seed)
+        assert sorted(prompts) == windows, seed
+
+
+def test_compare_drafts_measures_every_draft_with_the_stop_tokens_it_is_given(monkeypatch):
+    from dspark_jax import evaluate
+
+    calls = []
+
+    def spy(target, draft, prompts, **kwargs):
+        calls.append((draft, kwargs))
+        return {"tau": 1.0}
+
+    monkeypatch.setattr(evaluate, "measure_tau", spy)
+    prompts = [[1, 2, 3]]
+    out = evaluate.compare_drafts(
+        "target", {"a": "draft-a", "b": "draft-b"}, prompts, temperatures=(0.0, 1.0), max_new_tokens=8, stop_tokens=[7]
+    )
+    assert out == {name: {0.0: {"tau": 1.0}, 1.0: {"tau": 1.0}} for name in ("a", "b")}
+    assert [(draft, kw["temperature"]) for draft, kw in calls] == [
+        ("draft-a", 0.0),
+        ("draft-a", 1.0),
+        ("draft-b", 0.0),
+        ("draft-b", 1.0),
+    ]
+    for _, kw in calls:
+        assert kw["stop_tokens"] == [7] and kw["max_new_tokens"] == 8 and kw["seed"] == 0

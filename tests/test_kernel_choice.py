@@ -111,3 +111,33 @@ def test_check_tile_layout_wants_integers_and_bool_flags():
             check(**kw)
     with pytest.raises(TypeError, match="flag=1 is invalid: must be True or False"):
         check(flag=1)
+
+
+@pytest.mark.parametrize(("stages", "ok"), [(0, False), (1, True), (8, True), (9, False)])
+def test_check_tile_layout_takes_one_to_eight_pipeline_stages(stages, ok):
+    """The docstring's range: ``stages`` an integer in [1, 8], both ends included."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Layout:
+        tile: object = 64
+        warps: object = None
+        stages: object = 2
+
+    if ok:
+        check_tile_layout(Layout(stages=stages), ("tile",), (4,))
+    else:
+        with pytest.raises(ValueError, match=rf"^stages={stages} is invalid: must be an integer in \[1, 8\]$"):
+            check_tile_layout(Layout(stages=stages), ("tile",), (4,))
+
+
+def test_pow2_ceil_is_the_smallest_power_of_two_at_least_n():
+    """Brute force: the first of 1, 2, 4, … that is >= n (an exact power is kept: 16 → 16)."""
+
+    def reference(n: int) -> int:
+        p = 1
+        while p < n:
+            p *= 2
+        return p
+
+    for n in range(1, 2001):
+        assert kernel_choice.pow2_ceil(n) == reference(n), n

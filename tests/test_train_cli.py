@@ -807,3 +807,29 @@ def test_a_resumed_run_with_nothing_to_run_keeps_what_training_json_recorded(tmp
     assert training.recorded_value(str(tmp_path), "absent") is None
     (tmp_path / "training.json").write_text("{not json")
     assert training.recorded_value(str(tmp_path), "final_train_loss") is None
+
+
+def test_lm_loss_is_the_mean_cross_entropy_of_each_next_token():
+    """``lm_loss`` equals a NumPy cross-entropy of the target's own logits: the logits at
+    position ``t`` (from ``tokens[:, :t + 1]``) scored against ``tokens[:, t + 1]``, averaged
+    over every row and position. Scoring them against ``tokens[:, t]`` (copying the input)
+    gives a clearly different number on these random tokens."""
+    from draft_testing import randomize
+
+    target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
+    randomize(target, seed=1)
+    tokens = np.random.default_rng(2).integers(0, TARGET_CFG.vocab_size, (2, 7)).astype(np.int32)
+    b, s = tokens.shape
+    positions = np.broadcast_to(np.arange(s - 1, dtype=np.int32), (b, s - 1))
+    logits, _, _ = target(jnp.asarray(tokens[:, :-1]), jnp.asarray(positions), target.init_cache(b, s - 1))
+    logits = np.asarray(logits, np.float64)  # [B, S-1, V]
+
+    def cross_entropy(labels):
+        top = logits.max(-1, keepdims=True)
+        log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+        return float(np.mean(log_z - np.take_along_axis(logits, labels[..., None], -1)[..., 0]))
+
+    want = cross_entropy(tokens[:, 1:])
+    assert abs(cross_entropy(tokens[:, :-1]) - want) > 0.1  # the two labellings are told apart
+    got = float(target_training.lm_loss(target, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
