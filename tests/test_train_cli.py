@@ -448,7 +448,7 @@ def test_fit_reads_the_loss_only_on_logged_and_checkpointed_steps(tmp_path):
 
 
 def _stub_corpus(monkeypatch):
-    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"])
+    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
     monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
     monkeypatch.setattr("dspark_jax.corpus.encode_documents", lambda tokenizer, texts: np.zeros(64, np.int32))
 
@@ -516,8 +516,6 @@ def test_train_target_cli_saves_no_model_whose_heldout_loss_is_not_finite(tmp_pa
 
 def test_train_target_cli_records_the_loop_time_of_every_session(tmp_path, monkeypatch):
     _stub_corpus(monkeypatch)
-    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
-    monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
     tokenizer = types.SimpleNamespace(vocab_size=300, save=lambda path: None)
     model = Qwen3Target(dataclasses.replace(TARGET_CFG, vocab_size=300), rngs=nnx.Rngs(0))
     result = TrainResult(model=model, history={"loss": [2.5]}, step=2, seconds=42.5)
@@ -692,8 +690,6 @@ def test_train_draft_cli_refuses_calibrate_without_a_confidence_head_before_read
 def _stub_training(tmp_path, monkeypatch):
     """``train-draft``'s corpus, target, training and evaluation stubbed; returns the target."""
     _stub_corpus(monkeypatch)
-    corpus = types.SimpleNamespace(texts=lambda split: ["ab ab\n"], train_files=["a.py"], provenance=lambda: {})
-    monkeypatch.setattr("dspark_jax.corpus.load_corpus", lambda: corpus)
     target = Qwen3Target(TARGET_CFG, rngs=nnx.Rngs(0))
     cfg = default_draft_config(TARGET_CFG, mask_token_id=31, gamma=4, markov_rank=8, num_layers=1)
     trained = draft_training._new_draft(cfg, target, 0)
