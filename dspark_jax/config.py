@@ -169,17 +169,45 @@ _TRANSFORMER_FIELDS = {
 }
 
 
+# A config.json that leaves out a head's width or the KV head count is read one way by Hugging
+# Face's Qwen3Config and Qwen2Config (their class defaults: head_dim 128, 32 KV heads) and
+# another by LlamaConfig and the Qwen2 attention (hidden_size // num_attention_heads, one KV
+# head per query head). Such a field is taken only where both readings agree (a released
+# Qwen3 size of 32 heads of 128, say); where they differ the file must state it.
+QWEN3_DEFAULT_HEAD_DIM = 128
+QWEN_DEFAULT_KV_HEADS = 32
+
+
+def _unstated_head_field(name: str, hf: dict[str, Any], where: str) -> int:
+    """``head_dim`` or ``num_key_value_heads`` for a file that leaves it out (or null)."""
+    # Checked first: the division would raise ZeroDivisionError or a raw TypeError.
+    heads = positive_int("num_attention_heads", hf["num_attention_heads"])
+    if name == "num_key_value_heads" and name in hf:
+        return heads  # an explicit null: one KV head per query head in every convention
+    if name == "head_dim":
+        qwen3, llama = QWEN3_DEFAULT_HEAD_DIM, positive_int("hidden_size", hf["hidden_size"]) // heads
+        llama_rule = f"hidden_size // num_attention_heads = {llama}"
+    else:
+        qwen3, llama = QWEN_DEFAULT_KV_HEADS, heads
+        llama_rule = f"num_attention_heads = {llama}"
+    if qwen3 != llama:
+        raise ValueError(
+            f"{where} does not state {name!r}, and the conventions for a missing {name} differ: "
+            f"Hugging Face's Qwen3Config reads {qwen3}, LlamaConfig {llama_rule}; "
+            f"state {name} in the file"
+        )
+    return llama
+
+
 def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for name, default in _TRANSFORMER_FIELDS.items():
         if name in hf and hf[name] is not None:
             out[name] = hf[name]
-        elif name == "head_dim" and "hidden_size" in hf and "num_attention_heads" in hf:
-            # Checked first: the division would raise ZeroDivisionError or a raw TypeError.
-            heads = positive_int("num_attention_heads", hf["num_attention_heads"])
-            out[name] = positive_int("hidden_size", hf["hidden_size"]) // heads
-        elif name == "num_key_value_heads" and "num_attention_heads" in hf:
-            out[name] = hf["num_attention_heads"]
+        elif name in ("head_dim", "num_key_value_heads") and "num_attention_heads" in hf and (
+            name == "num_key_value_heads" or "hidden_size" in hf
+        ):
+            out[name] = _unstated_head_field(name, hf, where)
         elif default is None:
             raise ValueError(f"{where} is missing the required field {name!r}")
         else:

@@ -341,24 +341,66 @@ def test_malformed_config_json_is_named_with_its_path(tmp_path):
 
 
 SMALL_QWEN3 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+DRAFT_EXTRA = {"mask_token_id": 99, "target_layer_ids": [0, 1], "num_target_layers": 2, "block_size": 4}
 
 
-@pytest.mark.parametrize("heads", [4, 2])
-def test_a_file_without_head_dim_splits_hidden_size_evenly_across_its_heads(heads):
-    """Without ``head_dim`` (or ``num_key_value_heads``), a head is ``hidden_size //
-    num_attention_heads`` wide and every query head has its own KV head (the Qwen2/Llama
-    reading), in all three forms. 64 // 4 = 16 and 64 // 2 = 32: neither is a fixed width."""
-    hf = {**SMALL_QWEN3, "num_attention_heads": heads}
-    want = (64 // heads, heads)
-    target = TargetConfig.from_hf_config(hf)
-    assert (target.head_dim, target.num_key_value_heads) == want
-    draft_extra = {"mask_token_id": 99, "target_layer_ids": [0, 1], "num_target_layers": 2, "block_size": 4}
-    deepspec = DraftConfig.from_hf_config({**hf, **draft_extra})
-    speculators = DraftConfig.from_hf_config(
-        speculators_dict(transformer_layer_config=hf, draft_vocab_size=100, mask_token_id=99)
-    )
-    for cfg in (deepspec, speculators):
-        assert (cfg.head_dim, cfg.num_key_value_heads) == want
+def read_three_forms(hf: dict) -> list:
+    """``hf``'s transformer fields read as a target config, a DeepSpec draft config and a
+    speculators draft config's ``transformer_layer_config``."""
+    return [
+        lambda: TargetConfig.from_hf_config(hf),
+        lambda: DraftConfig.from_hf_config({**hf, **DRAFT_EXTRA}),
+        lambda: DraftConfig.from_hf_config(
+            speculators_dict(transformer_layer_config=hf, draft_vocab_size=hf["vocab_size"], mask_token_id=99)
+        ),
+    ]
+
+
+def test_a_file_without_head_dim_or_kv_heads_is_read_where_the_conventions_agree():
+    """Hugging Face's ``Qwen3Config`` takes ``head_dim`` 128 and 32 KV heads when a file leaves
+    them out, ``LlamaConfig`` ``hidden_size // num_attention_heads`` and one KV head per query
+    head: 32 heads over 4096 agree on both, so such a file reads (128, 32) in all three forms."""
+    hf = {**SMALL_QWEN3, "hidden_size": 4096, "num_attention_heads": 32}
+    for read in read_three_forms(hf):
+        cfg = read()
+        assert (cfg.head_dim, cfg.num_key_value_heads) == (128, 32)
+
+
+@pytest.mark.parametrize(
+    "stated, field, readings",
+    [
+        (
+            {"num_key_value_heads": 4},
+            "head_dim",
+            "Qwen3Config reads 128, LlamaConfig hidden_size // num_attention_heads = 16",
+        ),
+        (
+            {"num_key_value_heads": 2, "num_attention_heads": 2},
+            "head_dim",
+            "reads 128, LlamaConfig hidden_size // num_attention_heads = 32",
+        ),
+        ({"head_dim": 16}, "num_key_value_heads", "Qwen3Config reads 32, LlamaConfig num_attention_heads = 4"),
+    ],
+)
+def test_a_file_leaving_out_a_field_the_conventions_read_differently_is_refused(stated, field, readings):
+    """64 // 4 = 16 (or 64 // 2 = 32) is not Qwen3Config's 128, and 4 KV heads are not its 32:
+    no guess, in any of the three forms; the message names the field and both readings."""
+    hf = {**SMALL_QWEN3, "num_attention_heads": 4, **stated}
+    for read in read_three_forms(hf):
+        with pytest.raises(
+            ValueError, match=f"does not state '{field}'.*{re.escape(readings)}; state {field} in the file"
+        ):
+            read()
+    stating_it = TargetConfig.from_hf_config({**hf, field: 2})  # the file's own value, whatever it is
+    assert getattr(stating_it, field) == 2
+
+
+def test_a_null_kv_head_count_is_one_kv_head_per_query_head():
+    """``"num_key_value_heads": null`` means one KV head per query head to Qwen3Config and
+    LlamaConfig alike (unlike a missing field), so it reads as the head count."""
+    hf = {**SMALL_QWEN3, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": None}
+    for read in read_three_forms(hf):
+        assert read().num_key_value_heads == 4
 
 
 def test_a_file_without_the_optional_fields_gets_the_configs_own_defaults():
@@ -367,9 +409,9 @@ def test_a_file_without_the_optional_fields_gets_the_configs_own_defaults():
     one default per field, whether the config comes from a file or from Python. (These are
     the released Qwen3 checkpoints' values, ``QWEN3_8B`` above, not ``transformers``'s
     ``Qwen3Config`` class defaults, 32768 and 1e4.)"""
-    hf = {**SMALL_QWEN3, "num_attention_heads": 4}
+    hf = {**SMALL_QWEN3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}
     from_file = TargetConfig.from_hf_config(hf)
-    in_code = TargetConfig(**hf, num_key_value_heads=4, head_dim=16)
+    in_code = TargetConfig(**hf)
     optional = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias")
     defaults = {f.name: f.default for f in dataclasses.fields(TargetConfig) if f.name in optional}
     assert {name: getattr(from_file, name) for name in optional} == defaults
