@@ -204,8 +204,10 @@ def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
     for name, default in _TRANSFORMER_FIELDS.items():
         if name in hf and hf[name] is not None:
             out[name] = hf[name]
-        elif name in ("head_dim", "num_key_value_heads") and "num_attention_heads" in hf and (
-            name == "num_key_value_heads" or "hidden_size" in hf
+        elif (
+            name in ("head_dim", "num_key_value_heads")
+            and "num_attention_heads" in hf
+            and (name == "num_key_value_heads" or "hidden_size" in hf)
         ):
             out[name] = _unstated_head_field(name, hf, where)
         elif default is None:
