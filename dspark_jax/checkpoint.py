@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DTYPES, LAYOUTS, DraftConfig, check_flag, read_json_file
-from dspark_jax.draft import DSparkDraft, check_draft
+from dspark_jax.draft import DSparkDraft, check_draft, check_finite_table
 from dspark_jax.safetensors_io import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -244,12 +244,7 @@ def _check_tables(target: Any, embed_tokens: Any, lm_head: Any) -> None:
         if table is None or isinstance(table, jax.core.Tracer):
             continue
         check_dtypes({where: (table, jnp.floating)})
-        xp = np if isinstance(table, np.ndarray) else jnp
-        if not bool(xp.isfinite(table).all()):
-            raise ValueError(
-                f"{where} holds NaN or inf: expected a finite [V', H] table (the draft's embeddings and logits "
-                "would be NaN)"
-            )
+        check_finite_table(where, table)
 
 
 def _check_sts_temperature(files: _TensorFiles) -> None:

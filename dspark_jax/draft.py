@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.attention_kernel import attend_block, use_kernel
@@ -73,6 +74,23 @@ class ConfidenceHead(nnx.Module):
         return jax.nn.sigmoid(self.logits(hidden, prev_embed) / self.sts_temperature[...])
 
 
+def check_finite_table(where: str, table: Any) -> None:
+    """Refuses a concrete borrowed ``[V', H]`` table holding NaN or inf, naming ``where``.
+
+    NaN draft logits would not only lower acceptance: the sampled acceptance ratio
+    ``min(1, p / q)`` would be NaN. The check reads the table once (on the host for NumPy,
+    on the device for ``jax.Array``); traced and abstract tables are skipped.
+    """
+    if isinstance(table, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return
+    xp = np if isinstance(table, np.ndarray) else jnp
+    if not bool(xp.isfinite(table).all()):
+        raise ValueError(
+            f"{where} holds NaN or inf: expected a finite [V', H] table (the draft's embeddings and logits "
+            "would be NaN)"
+        )
+
+
 class DSparkDraft(nnx.Module):
     """DFlash-style block drafter with a Markov head and an optional confidence head."""
 
@@ -96,7 +114,8 @@ class DSparkDraft(nnx.Module):
 
         Raises:
           TypeError: ``embed_tokens`` or ``lm_head`` is not floating point.
-          ValueError: ``embed_tokens`` or ``lm_head`` is not ``[V', H]`` with ``V' >= vocab_size``.
+          ValueError: ``embed_tokens`` or ``lm_head`` is not ``[V', H]`` with ``V' >= vocab_size``,
+            or holds NaN or inf (checked once here, not for traced tables).
         """
         self.cfg = cfg
         h = cfg.hidden_size
@@ -110,6 +129,7 @@ class DSparkDraft(nnx.Module):
                 raise ValueError(
                     f"{name} has shape {tuple(table.shape)}: expected [V, {h}] with V >= vocab_size={cfg.vocab_size}"
                 )
+            check_finite_table(name, table)
         self.embed_tokens = Borrowed(embed_tokens)
         self.lm_head = Borrowed(lm_head)
         self.fc = nnx.Linear(

@@ -284,6 +284,28 @@ def test_draft_refuses_a_borrowed_table_smaller_than_the_vocabulary():
         DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=jnp.zeros((39, 32)))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("name", ["embed_tokens", "lm_head"])
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_draft_refuses_a_borrowed_table_holding_nan_or_inf(bad, name, as_numpy):
+    """One non-finite entry anywhere in either table (device or NumPy) is refused at
+    construction, naming the table: its logits would be NaN, and the sampled acceptance
+    ratio min(1, p / q) with them. An abstract build (``nnx.eval_shape``) is not refused."""
+    cfg = tiny_config()
+    table = np.zeros((cfg.vocab_size + 3, cfg.hidden_size), np.float32)
+    table[cfg.vocab_size + 2, 5] = bad  # the padding rows count too: the table is used whole
+    table = table if as_numpy else jnp.asarray(table)
+    other = jnp.zeros((cfg.vocab_size, cfg.hidden_size))
+    tables = {"embed_tokens": other, "lm_head": other, name: table}
+    with pytest.raises(ValueError, match=re.escape(f"{name} holds NaN or inf: expected a finite [V', H] table")):
+        DSparkDraft(cfg, rngs=nnx.Rngs(0), **tables)
+    abstract = nnx.eval_shape(
+        lambda e, h: DSparkDraft(cfg, rngs=nnx.Rngs(0), embed_tokens=e, lm_head=h),
+        *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (tables["embed_tokens"], tables["lm_head"])),
+    )
+    assert abstract.embed_tokens.get_value().shape == tables["embed_tokens"].shape
+
+
 HEADS = ["vanilla", "gated", "rnn"]
 
 
