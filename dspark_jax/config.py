@@ -163,7 +163,6 @@ _TRANSFORMER_FIELDS = {
     "head_dim": None,
     "vocab_size": None,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0,
     "attention_bias": False,
     "max_position_embeddings": 40960,
 }
@@ -199,8 +198,64 @@ def _unstated_head_field(name: str, hf: dict[str, Any], where: str) -> int:
     return llama
 
 
+# The RoPE dict of a config.json: transformers 5 writes ``rope_parameters`` (with
+# ``rope_theta`` inside it), transformers 4 ``rope_scaling`` (``rope_theta`` beside it).
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+
+
+def check_rope_dicts(hf: dict[str, Any]) -> dict[str, Any]:
+    """Refuses RoPE scaling in either RoPE dict and returns the ``rope_theta`` each states.
+
+    A dict is plain RoPE when its ``rope_type`` (or older ``type``) is absent or
+    ``"default"`` and it holds nothing but that and ``rope_theta`` (the draft and the
+    reference target implement plain RoPE only; yarn, linear, llama3 … are refused, as is a
+    per-layer-type nesting).
+
+    Returns:
+      ``{"rope_parameters.rope_theta": value, …}`` for each dict that states one.
+    """
+    thetas = {}
+    for name in ROPE_DICTS:
+        rope = hf.get(name)
+        if rope is None:
+            continue
+        plain = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) == "default"
+        if not plain or set(rope) - {"rope_type", "type", "rope_theta"}:
+            _fail(
+                name,
+                rope,
+                "rope scaling is not supported (the draft and the reference target implement plain RoPE); "
+                "must be null or {'rope_type': 'default', 'rope_theta': θ}",
+            )
+        if rope.get("rope_theta") is not None:
+            thetas[f"{name}.rope_theta"] = rope["rope_theta"]
+    return thetas
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> Any:
+    """The file's RoPE base: ``rope_theta`` or the one inside its RoPE dict, which must agree.
+
+    A file stating none is refused: Hugging Face's class defaults differ across versions and
+    models (1e4, 1e6), and a wrong base is a different model.
+    """
+    thetas = check_rope_dicts(hf)
+    if hf.get("rope_theta") is not None:
+        thetas = {"rope_theta": hf["rope_theta"], **thetas}
+    if not thetas:
+        raise ValueError(
+            f"{where} does not state the RoPE base: expected 'rope_theta' (or 'rope_parameters': "
+            "{'rope_type': 'default', 'rope_theta': θ}, as transformers 5 writes it); it is not guessed, "
+            "since the defaults differ across Hugging Face versions and models"
+        )
+    (first, value), *others = thetas.items()
+    for name, other in others:
+        if other != value:
+            raise ValueError(f"{first}={value!r} and {name}={other!r} disagree: a config must give one RoPE base")
+    return value
+
+
 def _transformer_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    out = {}
+    out = {"rope_theta": _rope_theta(hf, where)}
     for name, default in _TRANSFORMER_FIELDS.items():
         if name in hf and hf[name] is not None:
             out[name] = hf[name]
@@ -504,16 +559,8 @@ def _gamma_from_rows(rows: Any, sample_from_anchor: Any) -> Any:
     return int(rows) - 1
 
 
-def _check_no_rope_scaling(hf: dict[str, Any]) -> None:
-    """Refuses a ``rope_scaling`` entry: the draft's attention implements plain RoPE only."""
-    value = hf.get("rope_scaling")
-    if value is not None:
-        _fail("rope_scaling", value, "rope scaling is not supported (the draft implements plain RoPE); must be null")
-
-
 def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """Reads the DeepSpec form and the DFlash form with its nested ``dflash_config``."""
-    _check_no_rope_scaling(hf)
     kwargs = _transformer_kwargs(hf, "draft config")
     nested = hf.get("dflash_config") or {}
     if not isinstance(nested, dict):
@@ -550,8 +597,7 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     layer_cfg = hf.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise ValueError(f"speculators config needs a 'transformer_layer_config' dict, got {type(layer_cfg).__name__}")
-    _check_no_rope_scaling(hf)
-    _check_no_rope_scaling(layer_cfg)
+    check_rope_dicts(hf)  # the outer dict's own RoPE entries (the layers read the inner one's)
     kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
     draft_vocab = hf.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != kwargs["vocab_size"]:

@@ -84,7 +84,9 @@ def check_finite_table(where: str, table: Any) -> None:
     if isinstance(table, (jax.core.Tracer, jax.ShapeDtypeStruct)):
         return
     xp = np if isinstance(table, np.ndarray) else jnp
-    if not bool(xp.isfinite(table).all()):
+    with jax.ensure_compile_time_eval():  # a concrete table inside a trace (nnx.eval_shape) too
+        finite = bool(xp.isfinite(table).all())
+    if not finite:
         raise ValueError(
             f"{where} holds NaN or inf: expected a finite [V', H] table (the draft's embeddings and logits "
             "would be NaN)"

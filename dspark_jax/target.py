@@ -328,8 +328,9 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
     Raises:
       ValueError: ``config.json`` or the index is not a JSON object, the config asks for
         something the reference target does not implement (``model_type`` other than
-        ``"qwen3"``, ``hidden_act`` other than ``"silu"``, ``use_sliding_window``,
-        ``rope_scaling``), a safetensors file is unreadable, or a tensor is missing, has
+        ``"qwen3"``, ``hidden_act`` other than ``"silu"``, ``use_sliding_window``, RoPE
+        scaling in ``rope_scaling`` or ``rope_parameters``), or a field is missing or
+        invalid (named with the file's path), a safetensors file is unreadable, or a tensor is missing, has
         the wrong shape, is not floating point, is not finite after the cast to
         ``dtype``, or is not part of the model.
     """
@@ -356,12 +357,10 @@ def load_target(path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Ta
     if dtype is None:
         stored = hf.get("torch_dtype", hf.get("dtype"))
         dtype = stored if isinstance(stored, str) and stored in DTYPES else "float32"
-    if hf.get("rope_scaling"):
-        raise ValueError(
-            f"{path!r}: rope_scaling={hf['rope_scaling']!r} is not supported: the reference target implements "
-            "plain RoPE (rope_scaling null)"
-        )
-    cfg = TargetConfig.from_hf_config(hf, dtype=dtype, param_dtype=dtype)
+    try:  # RoPE scaling (rope_scaling, or transformers 5's rope_parameters) is refused there too
+        cfg = TargetConfig.from_hf_config(hf, dtype=dtype, param_dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"{config_path!r}: {e}") from e
     # Build the module abstractly: no random initialisation of weights that get replaced.
     target = nnx.eval_shape(lambda: Qwen3Target(cfg, rngs=nnx.Rngs(0)))
     tensors = _read_tensors(path)

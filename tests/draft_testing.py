@@ -36,6 +36,7 @@ TINY = dict(
     num_key_value_heads=2,
     head_dim=8,
     vocab_size=40,
+    rope_theta=1_000_000.0,
     mask_token_id=39,
     target_layer_ids=(-1, 0, 2),
     num_target_layers=3,

@@ -340,7 +340,13 @@ def test_malformed_config_json_is_named_with_its_path(tmp_path):
             read(tmp_path)
 
 
-SMALL_QWEN3 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+SMALL_QWEN3 = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 100,
+    "rope_theta": 1e6,
+}
 DRAFT_EXTRA = {"mask_token_id": 99, "target_layer_ids": [0, 1], "num_target_layers": 2, "block_size": 4}
 
 
@@ -404,23 +410,100 @@ def test_a_null_kv_head_count_is_one_kv_head_per_query_head():
 
 
 def test_a_file_without_the_optional_fields_gets_the_configs_own_defaults():
-    """A config.json that leaves out ``max_position_embeddings``, ``rms_norm_eps``,
-    ``rope_theta`` and ``attention_bias`` reads as the dataclass built in code without them:
-    one default per field, whether the config comes from a file or from Python. (These are
-    the released Qwen3 checkpoints' values, ``QWEN3_8B`` above, not ``transformers``'s
-    ``Qwen3Config`` class defaults, 32768 and 1e4.)"""
+    """A config.json that leaves out ``max_position_embeddings``, ``rms_norm_eps`` and
+    ``attention_bias`` reads as the dataclass built in code without them: one default per
+    field, whether the config comes from a file or from Python. (These are the released
+    Qwen3 checkpoints' values, ``QWEN3_8B`` above; the RoPE base, which changes the model, has
+    no file default: see the RoPE tests below.)"""
     hf = {**SMALL_QWEN3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}
     from_file = TargetConfig.from_hf_config(hf)
     in_code = TargetConfig(**hf)
-    optional = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias")
+    optional = ("max_position_embeddings", "rms_norm_eps", "attention_bias")
     defaults = {f.name: f.default for f in dataclasses.fields(TargetConfig) if f.name in optional}
     assert {name: getattr(from_file, name) for name in optional} == defaults
     assert from_file == in_code
-    assert (defaults["max_position_embeddings"], defaults["rope_theta"]) == (
-        QWEN3_8B["max_position_embeddings"],
-        QWEN3_8B["rope_theta"],
-    )
+    assert defaults["max_position_embeddings"] == QWEN3_8B["max_position_embeddings"]
     assert (defaults["rms_norm_eps"], defaults["attention_bias"]) == (QWEN3_8B["rms_norm_eps"], False)
     draft = DraftConfig.from_hf_config({**hf, "mask_token_id": 99, "target_layer_ids": [0], "num_target_layers": 2})
     draft_defaults = {f.name: f.default for f in dataclasses.fields(DraftConfig) if f.name in optional}
     assert {name: getattr(draft, name) for name in optional} == draft_defaults == defaults
+
+
+def without(hf: dict, *names: str) -> dict:
+    return {k: v for k, v in hf.items() if k not in names}
+
+
+SHAPE_4_HEADS = {**SMALL_QWEN3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},  # transformers 5
+        {"rope_parameters": {"rope_theta": 5e5}},
+        {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},  # its alias
+        {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000}},
+        {"rope_theta": 5e5, "rope_scaling": None, "rope_parameters": None},  # transformers 4
+        {"rope_theta": 5e5, "rope_parameters": {"type": "default"}},
+    ],
+)
+def test_the_rope_base_is_read_where_transformers_4_or_5_writes_it(rope):
+    """transformers 5 moved ``rope_theta`` into ``rope_parameters``: a file stating the base
+    there, beside it, or both (equal) reads θ = 5e5 in all three forms, not a default."""
+    hf = {**without(SHAPE_4_HEADS, "rope_theta"), **rope}
+    for read in read_three_forms(hf):
+        assert read().rope_theta == 5e5
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({}, "does not state the RoPE base: expected 'rope_theta'"),
+        ({"rope_parameters": {"rope_type": "default"}}, "does not state the RoPE base"),
+        (
+            {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+            "rope_theta=1000000.0 and rope_parameters.rope_theta=500000.0 disagree",
+        ),
+        (
+            {"rope_parameters": {"rope_theta": 1e6}, "rope_scaling": {"rope_theta": 1e4}},
+            "rope_parameters.rope_theta=1000000.0 and rope_scaling.rope_theta=10000.0 disagree",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+            "rope_parameters={'rope_type': 'yarn'",
+        ),
+        (
+            {"rope_theta": 1e6, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            "rope_parameters={'rope_type': 'linear'",
+        ),
+        ({"rope_theta": 1e6, "rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_scaling={'type': 'llama3'"),
+        (
+            {"rope_parameters": {"rope_theta": 1e6, "factor": 4.0}},
+            "rope_parameters={'rope_theta': 1000000.0, 'factor': 4.0}",
+        ),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "rope_parameters={'full_attention'"),
+        ({"rope_theta": 1e6, "rope_parameters": "default"}, "rope_parameters='default' is invalid"),
+    ],
+)
+def test_a_rope_base_missing_disagreeing_or_scaled_is_refused(rope, message):
+    """No RoPE base (Hugging Face's defaults differ: 1e4, 1e6), two that disagree, or RoPE
+    scaling of any type (yarn, linear, llama3, extra keys, per-layer-type nesting) in either
+    RoPE dict is refused in all three forms, naming the fields; the draft and the reference
+    target implement plain RoPE only, so a silent default would be another model."""
+    hf = {**without(SHAPE_4_HEADS, "rope_theta"), **rope}
+    for read in read_three_forms(hf):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read()
+
+
+def test_a_speculators_files_outer_rope_scaling_is_refused_too():
+    """The speculators form's outer dict may carry its own RoPE entries: scaling there is
+    refused like scaling in the layers' config."""
+    outer = speculators_dict(
+        transformer_layer_config=SHAPE_4_HEADS,
+        draft_vocab_size=100,
+        mask_token_id=99,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0},
+    )
+    with pytest.raises(ValueError, match=re.escape("rope_parameters={'rope_type': 'yarn', 'factor': 4.0} is invalid")):
+        DraftConfig.from_hf_config(outer)

@@ -357,6 +357,21 @@ def test_missing_files_and_unsupported_config_raise(tmp_path):
         json.dump(hf | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, f)
     with pytest.raises(ValueError, match="rope_scaling"):
         load_target(tmp_path)
+    # transformers 5 writes the RoPE dict as rope_parameters: scaling there is refused too,
+    # naming the file, and so is a file with no RoPE base at all
+    scaled = {k: v for k, v in hf.items() if k != "rope_theta"} | {
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0}
+    }
+    for bad, message in (
+        (scaled, "rope_parameters={'rope_type': 'yarn'"),
+        ({**scaled, "rope_parameters": None}, "RoPE base"),
+    ):
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(
+            ValueError, match=re.escape(f"{str(tmp_path / 'config.json')!r}: ") + ".*" + re.escape(message)
+        ):
+            load_target(tmp_path)
 
 
 @pytest.mark.parametrize(
