@@ -203,7 +203,7 @@ def _unstated_head_field(name: str, hf: dict[str, Any], where: str) -> int:
 ROPE_DICTS = ("rope_parameters", "rope_scaling")
 
 
-def check_rope_dicts(hf: dict[str, Any]) -> dict[str, Any]:
+def _check_rope_dicts(hf: dict[str, Any]) -> dict[str, Any]:
     """Refuses RoPE scaling in either RoPE dict and returns the ``rope_theta`` each states.
 
     A dict is plain RoPE when its ``rope_type`` (or older ``type``) is absent or
@@ -238,7 +238,7 @@ def _rope_theta(hf: dict[str, Any], where: str) -> Any:
     A file stating none is refused: Hugging Face's class defaults differ across versions and
     models (1e4, 1e6), and a wrong base is a different model.
     """
-    thetas = check_rope_dicts(hf)
+    thetas = _check_rope_dicts(hf)
     if hf.get("rope_theta") is not None:
         thetas = {"rope_theta": hf["rope_theta"], **thetas}
     if not thetas:
@@ -597,7 +597,7 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     layer_cfg = hf.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
         raise ValueError(f"speculators config needs a 'transformer_layer_config' dict, got {type(layer_cfg).__name__}")
-    check_rope_dicts(hf)  # the outer dict's own RoPE entries (the layers read the inner one's)
+    _check_rope_dicts(hf)  # the outer dict's own RoPE entries (the layers read the inner one's)
     kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
     draft_vocab = hf.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != kwargs["vocab_size"]:
