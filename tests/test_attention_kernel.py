@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -324,3 +327,52 @@ def test_context_attention_refuses_bad_inputs_naming_them():
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             context_attention(*args, **{"layer": 1, "interpret": True, **kw})
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_scores_hundreds_apart_stay_finite_and_match_numpy(splits):
+    """One context key scores about 400 (``q·k / √D`` with ``q = 10``, ``k = 10``, ``D = 16``),
+    the other keys of its chunk, of the next chunk and of the block about ±30: every rescale
+    ``exp(m_old − m_new)`` must use the running max over all keys seen so far (chunk to chunk,
+    then with the own keys, in the whole kernel and in the merging kernel), or ``exp(≈370)``
+    overflows float32 and the rows turn to ``inf``/NaN. Against the float64 reference, relative
+    error below 1e-5; random-normal inputs never part the scores far enough to tell."""
+    q, ck, cv, k, v = _inputs(8, layers=1, batch=2, rows=3, heads=4, kv_heads=2, dim=16, capacity=128)
+    q = jnp.full_like(q, 10.0)
+    ck = ck.at[0, :, 3].set(10.0)  # key 3 of both slots and KV heads; 2 chunks of 64
+    lens = jnp.asarray([128, 100], jnp.int32)
+    got = attend_block(q, k, v, cache_k=ck, cache_v=cv, prefix_lens=lens, layer=0, interpret=True, splits=splits)
+    assert np.all(np.isfinite(np.asarray(got)))
+    want = _reference(q, ck, cv, k, v, np.asarray(lens), 0)
+    rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert rel < 1e-5, rel
+
+
+def test_num_splits_is_the_smallest_power_of_two_count_reaching_the_target():
+    """``P`` from its definition: ``⌈TARGET_PROGRAMS / (B · KVH)⌉`` ranges (at least 1), at most
+    the chunk count, rounded down to a power of two. Batches whose ``B · KVH`` lies strictly
+    between 128 and 256 need 2 ranges (the floor of 256 / 160 is 1, its ceiling 2)."""
+    for batch, kv_heads, capacity in itertools.product((1, 3, 5, 17, 20, 31, 33, 64), (1, 2, 8), (16, 100, 1040)):
+        chunks = -(-capacity // min(64, 1 << (capacity.bit_length() - 1)))
+        wanted = min(chunks, max(1, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
+        assert num_splits(batch, kv_heads, capacity) == 1 << (wanted.bit_length() - 1), (batch, kv_heads, capacity)
+    assert num_splits(20, 8, 1040) == 2
+
+
+def test_a_context_key_weighs_exactly_as_the_same_own_key():
+    """The context's probabilities are rounded to the cache dtype before the product with the
+    values, as the own keys' are (bf16 cache, float32 queries and output): a context holding
+    exact copies of the block's own keys and values (``prefix_len = S``) gives, bit for bit,
+    the output of an empty context (each term counted twice, ``2·o / 2·l``); against the
+    float64 reference, within bf16 rounding (relative error below 1e-2)."""
+    q, ck, cv, k, v = _inputs(9, layers=1, batch=2, rows=4, heads=4, kv_heads=2, dim=16, capacity=16)
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    ck = ck.astype(jnp.bfloat16).at[0, :, :4].set(k)  # keys 0–3 of each slot: the block's own
+    cv = cv.astype(jnp.bfloat16).at[0, :, :4].set(v)
+    kw = dict(cache_k=ck, cache_v=cv, layer=0, interpret=True, splits=1)
+    copies = attend_block(q, k, v, prefix_lens=jnp.asarray([4, 4], jnp.int32), **kw)
+    alone = attend_block(q, k, v, prefix_lens=jnp.asarray([0, 0], jnp.int32), **kw)
+    assert copies.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(copies), np.asarray(alone))
+    want = _reference(q.astype(jnp.bfloat16), ck, cv, k, v, np.asarray([4, 4]), 0)
+    assert np.linalg.norm(np.asarray(copies, np.float64) - want) / np.linalg.norm(want) < 1e-2

@@ -5,11 +5,15 @@ import dataclasses
 import importlib.util
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dspark_jax import kernel_choice
+from dspark_jax.greedy_kernel import GREEDY_AUTO_MAX_BATCH, GREEDY_ENV, use_greedy_kernel
 from dspark_jax.kernel_choice import check_tile_layout, kernel_mode, triton_available
+from dspark_jax.mlp_kernel import MLP_AUTO_MAX_ROWS, MLP_ENV, use_mlp_kernel
+from dspark_jax.tile_race_kernel import TILE_RACE_AUTO_BATCHES, TILE_RACE_ENV, use_tile_race_kernel
 
 VARIABLE = "DSPARK_JAX_TEST_KERNEL"
 
@@ -141,3 +145,24 @@ def test_pow2_ceil_is_the_smallest_power_of_two_at_least_n():
 
     for n in range(1, 2001):
         assert kernel_choice.pow2_ceil(n) == reference(n), n
+
+
+def test_auto_runs_each_kernel_up_to_and_including_its_bound_on_a_gpu(fake_gpu, monkeypatch):
+    """On a GPU with Triton, ``auto`` takes the greedy kernels up to
+    :data:`~dspark_jax.greedy_kernel.GREEDY_AUTO_MAX_BATCH` rows, the tiled race kernels for
+    batches in :data:`~dspark_jax.tile_race_kernel.TILE_RACE_AUTO_BATCHES` (both ends included)
+    and the SwiGLU kernel up to :data:`~dspark_jax.mlp_kernel.MLP_AUTO_MAX_ROWS` rows, and
+    none of them one past its bound. (On the CPU ``auto`` never takes a kernel, so the kernel
+    files' own choice tests cannot see these bounds.)"""
+    fake_gpu(True)
+    for variable in (GREEDY_ENV, TILE_RACE_ENV, MLP_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    bf16, vocab = jnp.bfloat16, 151936
+    assert use_greedy_kernel(256, bf16, GREEDY_AUTO_MAX_BATCH) == (True, False)
+    assert use_greedy_kernel(256, bf16, GREEDY_AUTO_MAX_BATCH + 1) == (False, False)
+    first, last = TILE_RACE_AUTO_BATCHES
+    assert use_tile_race_kernel(256, bf16, vocab, first) == (True, False)
+    assert use_tile_race_kernel(256, bf16, vocab, last) == (True, False)
+    assert use_tile_race_kernel(256, bf16, vocab, last + 1) == (False, False)
+    assert use_mlp_kernel(bf16, MLP_AUTO_MAX_ROWS, 4096, 12288) == (True, False)
+    assert use_mlp_kernel(bf16, MLP_AUTO_MAX_ROWS + 1, 4096, 12288) == (False, False)

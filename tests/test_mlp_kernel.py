@@ -153,3 +153,35 @@ def test_mlp_tuning_takes_numpy_integers_and_refuses_floats():
     for field, value in (("warps", 4.0), ("warps", True), ("tile", 64.0), ("stages", 3.0)):
         with pytest.raises(ValueError, match=f"{field}={value!r} is invalid"):
             MlpTuning(**{field: value})
+
+
+def test_each_product_is_rounded_to_the_model_dtype_before_the_swiglu():
+    """``g = x·gate`` and ``u = x·up`` are each rounded to bfloat16 (as XLA's GEMMs store them)
+    before ``silu(g) · u``. One row ``x = [1, 2⁻⁹, 0, …]``: columns 0–15 have ``g = g₀ + 2⁻⁹``
+    (``g₀ = 1 + k/128``, rounding to ``g₀``) and ``u = 1``; columns 16–31 ``g = 1`` and
+    ``u = u₀ + 2⁻⁹`` (rounding to ``u₀``). The output equals, bit for bit, the float64 SwiGLU of
+    the rounded products rounded once to bfloat16; in each group some columns' outputs differ
+    from those of the unrounded products (checked here), so a kernel skipping either rounding
+    fails."""
+    hidden, inter = 16, 32
+    k = np.arange(16)
+    x = np.zeros((1, hidden))
+    x[0, :2] = [1.0, 2.0**-9]
+    gate, up = np.zeros((hidden, inter)), np.zeros((hidden, inter))
+    gate[0, :16], gate[1, :16], up[0, :16] = 1 + k / 128, 1.0, 1.0  # g = g₀ + 2⁻⁹, u = 1
+    gate[0, 16:], up[0, 16:], up[1, 16:] = 1.0, 1 + k / 128, 1.0  # g = 1, u = u₀ + 2⁻⁹
+    x, gate, up = (jnp.asarray(a, jnp.bfloat16) for a in (x, gate, up))
+    got = swiglu(x, gate, up, interpret=INTERPRET, tuning=MlpTuning(tile=16, chunk=16))
+
+    def bf16(a):
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+    exact_g = np.asarray(x, np.float64) @ np.asarray(gate, np.float64)  # exact in float32 too
+    exact_u = np.asarray(x, np.float64) @ np.asarray(up, np.float64)
+    want = bf16(_np_swiglu(x, gate, up))  # the rounded products' SwiGLU, rounded once
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+    for rounded_g, rounded_u, cols in ((False, True, slice(0, 16)), (True, False, slice(16, 32))):
+        g = bf16(exact_g) if rounded_g else exact_g
+        u = bf16(exact_u) if rounded_u else exact_u
+        unrounded = bf16(g / (1.0 + np.exp(-g)) * u)
+        assert (unrounded[:, cols] != want[:, cols]).any()  # the test can tell

@@ -169,3 +169,44 @@ def test_propose_with_the_race_kernel_matches_the_xla_walk(monkeypatch):
     la, lb = np.asarray(a.corrected_logits, np.float64), np.asarray(b.corrected_logits, np.float64)
     assert la.shape == lb.shape == (4, cfg.gamma, cfg.vocab_size)
     np.testing.assert_allclose(lb, la, rtol=0, atol=2.0**-8 * np.abs(la).max())
+
+
+def _rounding_rows(vocab, width):
+    """Sixteen sampling rows at ``T = 2⁻¹²`` whose only finite logits are two tokens ``a < b``,
+    each of base logit 1, ``a`` with a bias of ``2⁻⁹``: the float32 sum ``1 + 2⁻⁹`` is kept as
+    exactly 1 in bf16 (half a unit is ``2⁻⁸``). Rows 0–7 hold ``a, b`` in race block 0, rows
+    8–15 in blocks 0 and 1. Returns ``(base [16, 1, V] bf16, bias [16, V] bf16, temps, greedy, a, b)``."""
+    batch, a = 16, 10
+    b = np.where(np.arange(batch) < 8, a + 10, width + 10)  # same block, then the next block
+    base = np.full((batch, 1, vocab), -np.inf)
+    base[:, 0, a] = 1.0
+    base[np.arange(batch), 0, b] = 1.0
+    bias = np.zeros((batch, vocab))
+    bias[:, a] = 2.0**-9
+    temps = S.clamp_temperatures(jnp.full((batch,), 2.0**-12, jnp.float32))
+    return jnp.asarray(base, jnp.bfloat16), jnp.asarray(bias, jnp.bfloat16), temps, jnp.zeros(batch, bool), a, b
+
+
+@pytest.mark.parametrize("per_program", [1, 2])
+def test_sampling_races_the_kept_logits_not_their_float32_sums(per_program):
+    """Sampling rows race ``softmax(kept / T)`` over the corrected logits rounded to the base
+    logits' dtype (the values the round returns), both in the blocks' race (block mass) and in
+    the pick's race among the best block's tokens. Here the two tokens' kept logits are equal,
+    so each is the pick with probability 1/2; a race on the float32 sums (``a`` ahead by
+    ``2⁻⁹ / T = 8``) would pick ``a`` with probability ``1 / (1 + e⁻⁸) > 0.999`` in every row.
+    Checked: every pick is ``a`` or ``b``, ``b`` is picked in both row groups (16 draws: the
+    seed is fixed), and the tokens equal the XLA sampler's on the same float32 sums."""
+    vocab = 256
+    width = S.race_width(vocab)
+    base, bias, temps, greedy, a, b = _rounding_rows(vocab, width)
+    sums = base[:, 0].astype(jnp.float32) + bias.astype(jnp.float32)
+    assert np.all(np.asarray(sums[:, a]) == 1 + 2.0**-9) and np.all(np.asarray(sums.astype(jnp.bfloat16)[:, a]) == 1)
+    keys = S.row_keys(jax.random.key(7), base.shape[0])
+    words = S._key_words(S.step_keys(keys, 0))[:, None]  # [B, 1, 2]
+    tuning = RaceTuning(blocks_per_program=per_program)
+    tokens, _ = race_step(base, bias, None, temps, greedy, words, 0, interpret=INTERPRET, tuning=tuning)
+    tokens = np.asarray(tokens)
+    assert np.all((tokens == a) | (tokens == b)), tokens
+    assert (tokens[:8] == b[:8]).any() and (tokens[8:] == b[8:]).any(), tokens  # each group: b drawn
+    want = _sample_step(sums, temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
+    np.testing.assert_array_equal(tokens, np.asarray(want))

@@ -303,3 +303,60 @@ def test_choice_support_tuning_and_bad_inputs(monkeypatch):
         race_tiles(zp, w2, base, base.astype(jnp.float32), *args, batch=2, interpret=True)
     with pytest.raises(TypeError, match="tuning="):
         race_tiles(zp, w2, base, None, *args, batch=2, interpret=True, tuning="fast")
+
+
+def test_block_race_takes_the_kept_logits_not_their_float32_sums():
+    """Sampling rows race ``softmax(kept / T)`` with the corrected logits kept in the base
+    logits' dtype. Sixteen rows at ``T = 2⁻¹²`` whose only finite logits are tokens ``a`` (race
+    block 0) and ``b`` (rows 0–7: block 0 too; rows 8–15: block 1), base logit 1 each, ``a``
+    with a bias of ``2⁻⁹`` (``z · w2``: exact): the float32 sum ``1 + 2⁻⁹`` is kept as 1, so the
+    two tokens (and, for rows 8–15, the two blocks' masses) are equal and each is the pick with
+    probability 1/2; a block race on the float32 sums would give block 0 a mass ``e⁸`` times
+    block 1's (``a`` in more than 99.9 % of the rows). Checked: picks are ``a`` or ``b``,
+    ``b`` is drawn in both groups (fixed seed), and the XLA sampler picks the same."""
+    batch, vocab, rank, a = 16, 256, 16, 10
+    width = S.race_width(vocab)
+    b = np.where(np.arange(batch) < 8, a + 10, width + 10)
+    base = np.full((batch, 1, vocab), -np.inf)
+    base[:, 0, a] = 1.0
+    base[np.arange(batch), 0, b] = 1.0
+    base = jnp.asarray(base, jnp.bfloat16)
+    zp = jnp.zeros((padded_rows(batch), rank), jnp.bfloat16).at[:batch, 0].set(1.0)
+    w2 = jnp.zeros((vocab, rank), jnp.bfloat16).at[a, 0].set(2.0**-9)
+    temps, greedy = S.clamp_temperatures(jnp.full((batch,), 2.0**-12, jnp.float32)), jnp.zeros(batch, bool)
+    keys = S.row_keys(jax.random.key(7), batch)
+    t, g, words = padded_walk_inputs(temps, greedy, keys, 1)
+    tuning = TileRaceTuning(max_rows=16, chunk=16)
+    score, token, corrected = race_tiles(
+        zp, w2, base, None, t, g, words, 0, batch=batch, interpret=INTERPRET, tuning=tuning
+    )
+    tokens, _ = pick_raced_tiles(score, token, corrected, w2, t, g, words, 0, batch=batch, interpret=INTERPRET)
+    tokens = np.asarray(tokens[:batch])
+    sums = base[:, 0].astype(jnp.float32) + jnp.zeros((batch, vocab)).at[:, a].set(2.0**-9)
+    np.testing.assert_array_equal(
+        np.asarray(corrected[:, 0], np.float32), np.asarray(sums.astype(jnp.bfloat16), np.float32)
+    )
+    assert np.all((tokens == a) | (tokens == b)), tokens
+    assert (tokens[:8] == b[:8]).any() and (tokens[8:] == b[8:]).any(), tokens
+    want = _sample_step(sums, temps, greedy, S.step_keys(keys, 0), race_dtype=base.dtype)
+    np.testing.assert_array_equal(tokens, np.asarray(want))
+
+
+def test_padded_walk_inputs_make_the_padding_rows_greedy_at_temperature_one():
+    """:func:`padded_walk_inputs` pads to ``BR`` rows: the real rows' temperatures, greedy flags
+    and every step's key words (:func:`~dspark_jax.race_kernel.step_key_words`, transposed to
+    ``[2, γ, BR]``) as given; the padding rows greedy (the pick kernel never reads a greedy
+    padding row's corrected logits), at temperature 1, with zero key words."""
+    batch, gamma = 3, 2
+    temps, greedy = _rows(batch, seed=1)
+    keys = S.row_keys(jax.random.key(2), batch)
+    t, g, words = padded_walk_inputs(temps, greedy, keys, gamma)
+    total = padded_rows(batch)
+    assert (t.shape, g.shape, words.shape) == ((total,), (total,), (2, gamma, total))
+    assert (t.dtype, g.dtype, words.dtype) == (jnp.float32, jnp.int32, jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(t[:batch]), np.asarray(temps))
+    np.testing.assert_array_equal(np.asarray(g[:batch]), np.asarray(greedy, np.int32))
+    assert np.all(np.asarray(t[batch:]) == 1.0) and np.all(np.asarray(g[batch:]) == 1)
+    assert not np.asarray(words[:, :, batch:]).any()
+    for k in range(gamma):
+        np.testing.assert_array_equal(np.asarray(words[:, k, :batch]).T, np.asarray(S._key_words(S.step_keys(keys, k))))
