@@ -704,3 +704,385 @@ def test_a_failed_e2e_stage_makes_the_run_exit_non_zero(monkeypatch, capsys):
     monkeypatch.setattr(bench, "format_table", lambda result: f"e2e failed: {result['e2e']['error']}")
     assert bench.main(["--shapes", "tiny", "--batches", "1", "--no-torch", "--no-compile", "--e2e"]) == 1
     assert "e2e failed: RuntimeError('out of memory')" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- mutation audit: timing statistics
+def test_summary_statistics_are_numpys_over_the_samples():
+    """``_summary``: p10/median/p90 are NumPy's percentiles of the waited latencies, dispatch,
+    released, spin and idle their medians (not means), pipelined the total over the calls."""
+    rng = np.random.default_rng(3)
+    samples = {
+        "latency": list(rng.lognormal(0.0, 0.6, 23)),
+        "dispatch": list(rng.lognormal(-2.0, 0.8, 23)),
+        "pipelined": [7.0, 11.0],
+        "pipelined_calls": [10, 13],
+        "released": list(rng.lognormal(0.1, 0.7, 23)),
+        "spin": list(rng.lognormal(0.2, 0.9, 23)),
+        "idle": list(rng.lognormal(-0.3, 0.9, 23)),
+    }
+    got = bench_timing._summary(samples)
+    assert got["p10_ms"] == pytest.approx(np.percentile(samples["latency"], 10))
+    assert got["median_ms"] == pytest.approx(np.median(samples["latency"]))
+    assert got["p90_ms"] == pytest.approx(np.percentile(samples["latency"], 90))
+    for key, name in (("dispatch_ms", "dispatch"), ("released_median_ms", "released"), ("spin_median_ms", "spin")):
+        assert got[key] == pytest.approx(np.median(samples[name])), key
+        assert got[key] != pytest.approx(np.mean(samples[name])), key  # skewed samples: median and mean differ
+    assert got["idle_median_ms"] == pytest.approx(np.median(samples["idle"]))
+    assert got["pipelined_ms"] == pytest.approx(18.0 / 23)
+    assert got["iters"] == 23
+
+
+class _ScriptedClock:
+    """A stand-in for ``time`` whose clock moves only when the timed call runs: ``dispatch_s``
+    inside the call, ``wait_s`` more while its result is waited for."""
+
+    def __init__(self, dispatch_s, wait_s):
+        self.now, self.dispatch_s, self.wait_s, self.sleeps = 100.0, dispatch_s, wait_s, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+
+    def call(self):
+        self.now += self.dispatch_s
+        return self._Result(self)
+
+    class _Result:
+        def __init__(self, clock):
+            self.clock = clock
+
+        def block_until_ready(self):
+            self.clock.now += self.clock.wait_s
+            return self
+
+
+def test_time_call_reports_milliseconds_of_each_loop_from_a_scripted_clock(monkeypatch):
+    """With a clock that moves 4 ms while a call dispatches and 6 ms while its result is waited
+    for: latency 10 ms (from the call to the result), dispatch 4 ms (until the call returns),
+    pipelined (4·n + 6) / n ms per call, released, spin and idle 10 ms each."""
+    clock = _ScriptedClock(0.004, 0.006)
+    monkeypatch.setattr(bench_timing, "time", clock)
+    n = 5
+    got = bench_timing.time_call(clock.call, iters=n, warmup=2, idle_s=0.25, samples=True)
+    assert got["median_ms"] == pytest.approx(10.0) and got["p10_ms"] == pytest.approx(10.0)
+    assert got["dispatch_ms"] == pytest.approx(4.0)
+    assert got["pipelined_ms"] == pytest.approx((4.0 * n + 6.0) / n)
+    for key in ("released_median_ms", "spin_median_ms", "idle_median_ms"):
+        assert got[key] == pytest.approx(10.0), key
+    assert got["samples"]["pipelined"] == [pytest.approx(4.0 * n + 6.0)] and got["samples"]["pipelined_calls"] == [n]
+    assert clock.sleeps == [0.25] * n and got["iters"] == n
+
+
+def test_released_calls_run_with_the_previous_result_dropped():
+    """``released_median_ms``: in that loop alone no earlier result is alive during a call (the
+    waited, pipelined and spin loops hold the previous one)."""
+    held = []
+    last = [None]
+
+    def call():
+        held.append(last[0] is not None and last[0]() is not None)
+        result = np.zeros(1)
+        last[0] = weakref.ref(result)
+        return result
+
+    bench_timing.time_call(call, iters=2, warmup=1)
+    # warm-up, 2 waited, 2 pipelined, 2 released, 2 spin-waited
+    assert held == [False, True, True, True, True, False, False, True, True]
+
+
+def test_pool_samples_refuses_a_process_with_a_row_twice():
+    """A process that timed a (batch, mode, path) twice cannot be pooled row for row."""
+    a = [_timed_row(1, "split", [1.0, 1.1], [0.3, 0.3])]
+    b = [_timed_row(1, "split", [2.0, 2.1], [0.5, 0.6]), _timed_row(1, "split", [3.0, 3.1], [0.5, 0.6])]
+    with pytest.raises(ValueError, match=r"process 1 has 2 rows for batch, mode, path \(1, 'greedy', 'split'\)"):
+        bench_timing.pool_samples([a, b])
+
+
+def test_measure_ceilings_derives_each_rate_from_its_definition(monkeypatch):
+    """Bandwidths are (read + written) bytes over the back-to-back time of a pass over the
+    ``nbytes`` buffer, the matmul rate 2·m³ FLOPs over its back-to-back time, the host's times
+    the trivial op's median and dispatch, the matmul's waited time its median."""
+    nbytes, m = 1 << 14, 16
+    seen = []
+
+    def fake_time_call(fn, *, iters, **kwargs):
+        out = jax.block_until_ready(fn())
+        k = len(seen)
+        seen.append((out.shape, out.dtype, out.nbytes))
+        return {
+            "median_ms": 1.0 + k,
+            "p10_ms": 0.5 + k,
+            "p90_ms": 9.0 + k,
+            "dispatch_ms": 0.25 + k,
+            "pipelined_ms": 0.1 * (k + 1),
+        }
+
+    monkeypatch.setattr(bench_timing, "time_call", fake_time_call)
+    got = bench_timing.measure_ceilings(nbytes, m, iters=5)
+    (elem, copy_, mm, host) = seen
+    assert elem[2] == copy_[2] == nbytes and elem[1] == np.float32  # the buffer is nbytes of float32
+    assert mm[0] == (m, m) and host[0] == (8,)
+    assert got["elementwise_bytes_per_s"] == pytest.approx(2 * nbytes / 0.1e-3)
+    assert got["copy_bytes_per_s"] == pytest.approx(2 * nbytes / 0.2e-3)
+    assert got["matmul_flops_per_s"] == pytest.approx(2 * m**3 / 0.3e-3)
+    assert got["matmul_waited_ms"] == 3.0 and got["matmul_pipelined_ms"] == pytest.approx(0.3)
+    assert got["host_roundtrip_ms"] == 4.0 and got["host_dispatch_ms"] == 3.25
+    assert got["buffer_bytes"] == nbytes and got["matmul_size"] == m
+
+
+def test_profile_kernels_sums_the_gpu_streams_events_per_call(monkeypatch, tmp_path):
+    """From a (fake) trace: only GPU planes' ``Stream`` lines count; per kernel its total time and
+    launches divided by the calls; kernels sorted by time, longest first, ``top`` kept."""
+    ev = types.SimpleNamespace
+
+    def line(name, events):
+        return ev(name=name, events=[ev(name=n, duration_ns=d) for n, d in events])
+
+    planes = [
+        ev(
+            name="/device:GPU:0",
+            lines=[
+                line("Stream #14(Compute)", [("small", 1e6), ("big", 3e6), ("big", 3e6), ("tiny", 0.2e6)]),
+                line("XLA Ops", [("op_not_a_kernel", 50e6)]),
+            ],
+        ),
+        ev(name="/host:CPU", lines=[line("Stream #1", [("host", 70e6)])]),
+    ]
+
+    def start_trace(directory, **kwargs):
+        with open(os.path.join(directory, "t.xplane.pb"), "wb") as f:
+            f.write(b"")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", start_trace)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    monkeypatch.setattr(jax.profiler, "ProfileData", types.SimpleNamespace(from_file=lambda path: ev(planes=planes)))
+    got = bench_timing.profile_kernels(lambda: np.zeros(1), iters=2, top=2)
+    assert got["calls"] == 2
+    assert got["device_busy_ms"] == pytest.approx((1 + 3 + 3 + 0.2) / 2)
+    assert got["launches_per_call"] == pytest.approx(4 / 2)
+    assert [k["name"] for k in got["kernels"]] == ["big", "small"]
+    assert got["kernels"][0]["ms_per_call"] == pytest.approx(3.0) and got["kernels"][0]["count_per_call"] == 1.0
+    assert got["kernels"][1]["ms_per_call"] == pytest.approx(0.5) and got["kernels"][1]["count_per_call"] == 0.5
+
+
+# --------------------------------------------------------------------------- mutation audit: workload and floors
+def test_sampling_rows_and_parameters_follow_their_definition():
+    """``mixed``: the first ``max(1, B // 2)`` rows sample (T = 1, every token), the rest are
+    greedy (T = 0, top-k 1); ``greedy`` none, ``sampling`` all."""
+    from dspark_jax.sampling import TOP_K_ALL
+
+    for batch in range(1, 8):
+        for mode, n in (("greedy", 0), ("mixed", max(1, batch // 2)), ("sampling", batch)):
+            want = np.array([i < n for i in range(batch)])
+            np.testing.assert_array_equal(bench_workload.mode_sampling_rows(batch, mode), want)
+            temps, top_k = bench_workload.sampling_params(batch, mode)
+            np.testing.assert_array_equal(np.asarray(temps), np.where(want, 1.0, 0.0))
+            np.testing.assert_array_equal(np.asarray(top_k), np.where(want, TOP_K_ALL, 1))
+
+
+def test_round_cost_flops_and_per_request_bytes_follow_the_definitions():
+    """The FLOPs (2 per multiply-add: layer matmuls over B·R rows, QK and PV against the context
+    plus the block, the lm_head and the Markov walk over γ steps) and the bytes that grow with
+    the batch or the activation dtype, at batch 3 with float32 activations and bf16 weights."""
+    import dataclasses
+
+    cfg = bench_workload.draft_config(bench_workload.SHAPES["tiny"])
+    cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="bfloat16")
+    batch, context = 3, 40
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, kvh, v, r, g = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, cfg.markov_rank, cfg.gamma
+    layers, rows = cfg.num_hidden_layers, batch * cfg.num_query_rows
+    per_layer = h * nh * d + h * kvh * d * 2 + nh * d * h + 3 * h * i  # q, k, v, o and the MLP
+    flops = (
+        2 * rows * layers * per_layer
+        + 2 * 2 * rows * layers * nh * d * (context + cfg.num_query_rows)
+        + 2 * batch * g * v * h
+        + 2 * batch * g * v * r
+    )
+    greedy = bench_workload.round_cost(cfg, batch, context, folded_sampling=False)
+    folded = bench_workload.round_cost(cfg, batch, context, folded_sampling=True)
+    assert greedy["flops"] == folded["flops"] == flops
+    assert greedy["bytes_parts"]["context_kv"] == 2 * layers * batch * context * kvh * d * 4  # float32 activations
+    assert greedy["bytes_parts"]["embed_rows"] == rows * h * 2  # bf16 weights
+    assert folded["bytes"] - greedy["bytes"] == batch * g * v * 4  # the corrected logits, every request's
+
+
+def test_random_inputs_hold_context_positions_per_request():
+    cfg = bench_workload.draft_config(bench_workload.SHAPES["tiny"])
+    inp = bench_workload.random_inputs(cfg, 3, 20, 32, seed=1)
+    np.testing.assert_array_equal(np.asarray(inp["prefix_lens"]), [20, 20, 20])
+    bonus = np.asarray(inp["bonus"])
+    assert bonus.shape == (3,) and ((bonus >= 0) & (bonus < cfg.vocab_size)).all()
+    assert inp["cache"].k.shape == (cfg.num_hidden_layers, 3, 32, cfg.num_key_value_heads, cfg.head_dim)
+
+
+# --------------------------------------------------------------------------- mutation audit: e2e
+def test_fused_layer_ids_round_the_even_spread_half_up():
+    """Where the draft's own ids do not fit: ``n`` ids from 0 to L − 1 spread evenly, each
+    rounded half up (exact fractions here, so the reference has no float error)."""
+    from fractions import Fraction
+
+    big = bench_workload.draft_config(bench_workload.SHAPES["8b"])
+    n = big.num_fused_layers
+    for layers in range(n, big.target_layer_ids[-1] + 1):
+        want = tuple(int(Fraction(k * (layers - 1), n - 1) + Fraction(1, 2)) for k in range(n))
+        assert bench_e2e.fused_layer_ids(big, layers) == want, layers
+
+
+def test_e2e_numbers_follow_their_definitions_from_scripted_clocks(monkeypatch):
+    """``bench_e2e`` with a clock that moves by a scripted, uneven step at every reading and a
+    fixed propose time: plain step and verify are medians of the timed (not warm-up) steps,
+    plain tokens/s the batch over their mean, τ the mean accepted length of the forced draws
+    (replayed here from the same keys), speculative tokens/s every accepted token over the
+    rounds' total time, the ideal speed-up τ·t_plain / (t_propose + t_verify)."""
+    rounds, tau, seed = 5, 3.3, 0
+    steps = [1e-3 * (1 + (k * k * 7) % 13) for k in range(200)]
+    readings = iter(np.cumsum(steps))
+    monkeypatch.setattr(bench_e2e, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
+    monkeypatch.setattr(bench_e2e, "time_call", lambda fn, iters: {"median_ms": 0.7})
+    got = bench_e2e.bench_e2e(bench_workload.SHAPES["tiny"], target_layers=4, tau=tau, rounds=rounds, seed=seed)
+
+    def timed(first, warmup, count):
+        """Readings from index ``first``: ``warmup`` untimed starts, then (start, end) pairs; the
+        interval of a pair is the step taken at its end reading."""
+        ends = [first + warmup + 2 * j + 1 for j in range(count)]
+        return [steps[e] * 1e3 for e in ends], first + warmup + 2 * count
+
+    plain, nxt = timed(0, 3, 2 * rounds)
+    verify, nxt = timed(nxt, 3, rounds)
+    spec, nxt = timed(nxt, 3, rounds)
+    gamma = bench_workload.draft_config(bench_workload.SHAPES["tiny"]).gamma
+    probs = jax.numpy.asarray(bench_e2e.forced_accept_probs(tau, gamma), jax.numpy.float32)
+    keys = jax.random.split(jax.random.key(seed + 3), rounds + 3)
+    accepted = [
+        int(jax.random.choice(jax.random.split(keys[i])[1], gamma + 1, (1,), p=probs)[0]) + 1
+        for i in range(3, rounds + 3)
+    ]
+    # the test can tell a mean from a median in both
+    assert np.mean(accepted) != np.median(accepted) and np.median(plain) != np.mean(plain)
+    assert got["tau_measured"] == pytest.approx(np.mean(accepted))
+    assert got["plain_step_ms"] == pytest.approx(np.median(plain))
+    assert got["verify_ms"] == pytest.approx(np.median(verify)) and got["propose_ms"] == 0.7
+    assert got["round_ms"] == pytest.approx(np.median(spec))
+    assert got["plain_tokens_per_s"] == pytest.approx(1e3 / np.mean(plain))
+    assert got["spec_tokens_per_s"] == pytest.approx(sum(accepted) * 1e3 / sum(spec))
+    ideal = np.mean(accepted) * np.median(plain) / (0.7 + np.median(verify))
+    assert got["ideal_speedup"] == pytest.approx(ideal)
+    speedup = (sum(accepted) * 1e3 / sum(spec)) / (1e3 / np.mean(plain))
+    assert got["speedup"] == pytest.approx(speedup) and got["fraction_of_ideal"] == pytest.approx(speedup / ideal)
+
+
+# --------------------------------------------------------------------------- mutation audit: compile stage
+def test_round_peak_is_unknown_for_a_partial_round_and_gate_error_for_no_growth():
+    """Peaks that are not whole rounds of ``programs`` programs give no round peak; a measured
+    growth of 0 (or less) is said, not divided by."""
+    out = bench_compile.round_peaks({"greedy": [100, 200, 150], "sampling": [100, 300]}, programs=2)
+    assert out["greedy_round_peak_bytes"] is None and out["sampling_round_peak_bytes"] == 300
+    assert out["sampling_extra_bytes"] is None
+    assert bench_compile.gate_error(5, {"sampling_extra_bytes": 0}) == "measured growth 0"
+    assert bench_compile.gate_error(150, {"sampling_extra_bytes": 200}) == "-25.0 % of the measured"
+
+
+# --------------------------------------------------------------------------- mutation audit: bench's stages
+def test_bench_propose_rows_carry_their_paths_floors_and_the_idle_and_rounds_asked_for(monkeypatch):
+    """Each row's floor is max(bytes / elementwise bandwidth, FLOPs / matmul rate) of its own
+    round (greedy-only paths without the corrected logits), ``floor_copy`` the same with the
+    copy bandwidth; the interleaved timing gets ``idle_ms`` in seconds and ``min(3, iters)``
+    rounds; batches run in ascending order."""
+    cfg = bench_workload.draft_config(bench_workload.SHAPES["tiny"])
+    graphdef, state = bench_workload.build_draft(cfg)
+    asked = []
+
+    def fake_time_calls(calls, *, iters, rounds, idle_s, samples):
+        asked.append({"iters": iters, "rounds": rounds, "idle_s": idle_s})
+        return {k: {"median_ms": 2.0, "p10_ms": 1.0, "p90_ms": 3.0} for k in calls}
+
+    monkeypatch.setattr(bench, "time_calls", fake_time_calls)
+    ceilings = {"elementwise_bytes_per_s": 2e9, "copy_bytes_per_s": 5e9, "matmul_flops_per_s": 3e10}
+    rows, memory = bench.bench_propose(
+        cfg,
+        graphdef,
+        state,
+        batches=(2, 1),
+        context=16,
+        iters=2,
+        eager_iters=0,
+        ceilings=ceilings,
+        profile=False,
+        modes=("greedy", "mixed"),
+        paths=("folded_greedy", "folded"),
+        idle_ms=0.75,
+    )
+    assert asked == [{"iters": 2, "rounds": 2, "idle_s": pytest.approx(0.75e-3)}] * 2
+    assert [m["batch"] for m in memory] == [1, 2] and [r["batch"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    for r in rows:
+        cost = bench_workload.round_cost(cfg, r["batch"], 16, folded_sampling=r["path"] == "folded")
+        assert (r["bytes"], r["flops"]) == (cost["bytes"], cost["flops"])
+        by_bytes, by_flops = cost["bytes"] / 2e9 * 1e3, cost["flops"] / 3e10 * 1e3
+        assert r["floor_ms"] == pytest.approx(max(by_bytes, by_flops))
+        assert r["floor_bound"] == ("bytes" if by_bytes >= by_flops else "flops")
+        assert r["floor_copy_ms"] == pytest.approx(max(cost["bytes"] / 5e9 * 1e3, by_flops))
+
+
+def test_run_derives_eager_iters_and_the_compile_bucket_and_checks_its_bounds(monkeypatch):
+    """``--eager-iters`` defaults to max(2, iters // 10); the compile stage precompiles up to the
+    largest batch; ``--e2e-layers`` one below the fused layers, ``--idle-ms 1000`` and ``--cuts`` /
+    ``--versus`` with either split path alone are allowed."""
+    seen = {}
+
+    def measured(args, shapes, batches, iters, eager_iters, result):
+        seen.update(batches=batches, iters=iters, eager_iters=eager_iters, e2e_layers=args.e2e_layers)
+
+    monkeypatch.setattr(bench, "_measure", measured)
+    monkeypatch.setattr(bench, "format_table", lambda result: "")
+
+    def compiled(shapes, max_batch, cache_dir, workers):
+        seen.update(compiled=max_batch)
+        return {}
+
+    monkeypatch.setattr(bench, "bench_compile", compiled)
+    base = ["--shapes", "tiny", "--no-torch"]
+    for iters, eager in (("5", 2), ("30", 3), ("47", 4)):
+        assert bench.main([*base, "--no-compile", "--batches", "1", "--iters", iters]) == 0
+        assert seen["eager_iters"] == eager, iters
+    assert bench.main([*base, "--batches", "2,8,4", "--iters", "2"]) == 0
+    assert seen["compiled"] == 8
+    fused = bench_workload.draft_config(bench_workload.SHAPES["tiny"]).num_fused_layers
+    assert bench.main([*base, "--no-compile", "--e2e", "--e2e-layers", str(fused - 1), "--idle-ms", "1000"]) == 0
+    assert seen["e2e_layers"] == fused - 1
+    for path in ("split_greedy", "split"):  # either split path is enough for --cuts and --versus
+        assert bench.main([*base, "--no-compile", "--paths", path, "--cuts", "2", "--versus", "mlp=xla"]) == 0
+
+
+def test_processes_run_numbered_timing_children_and_pool_every_childs_samples(monkeypatch, tmp_path):
+    """``--processes 3``: children 0, 1, 2 (e2e, the walk and the profiles only in child 0), every
+    child's samples pooled, the rest of the result from child 0."""
+    children = []
+
+    def fake_run(cmd, **kwargs):
+        i = int(cmd[cmd.index("--timing-child") + 1])
+        children.append(i)
+        row = _timed_row(1, "split", [1.0 + i, 2.0 + i, 3.0 + i], [0.1, 0.1, 0.1])
+        result = {"meta": {"child": i}, "propose": [row], "ceilings": {"from": i}}
+        with open(cmd[cmd.index("--timing-out") + 1], "w") as f:
+            json.dump(result, f)
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "format_table", lambda result: "")
+    out = tmp_path / "p.json"
+    assert bench.main(["--shapes", "tiny", "--no-torch", "--no-compile", "--processes", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert children == [0, 1, 2] and result["meta"]["child"] == 0 and result["ceilings"] == {"from": 0}
+    (row,) = result["propose"]
+    assert row["iters"] == 9 and row["median_ms"] == pytest.approx(np.median([1, 2, 3, 2, 3, 4, 3, 4, 5]))
+    assert [p["median_ms"] for p in row["processes"]] == [2.0, 3.0, 4.0]
+
+    stages = {}
+    monkeypatch.setattr(bench, "_measure", lambda args, *a, **k: stages.update({args.timing_child: args.e2e}))
+    for child in (0, 1):
+        argv = ["--shapes", "tiny", "--no-torch", "--no-compile", "--e2e", "--timing-child", str(child)]
+        assert bench.main([*argv, "--timing-out", str(tmp_path / f"c{child}.json")]) == 0
+    assert stages == {0: True, 1: False}

@@ -180,3 +180,50 @@ def test_calibrate_command_refuses_an_out_holding_a_model_and_a_draft_without_a_
     assert main(["calibrate", "--draft", str(tmp_path / "no_head"), "--out", str(tmp_path / "out")]) == 2
     assert "has no confidence head (enable_confidence_head=False): nothing to calibrate" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_fit_refuses_a_slot_whose_cross_entropy_is_flat_at_zero_slope():
+    """``mean((½ − y)·z) = 0``: the loss does not fall for any small 1 / T > 0 (labels of ½
+    everywhere here), so no temperature is fitted (not merely a negative slope is refused)."""
+    with pytest.raises(ValueError, match=r"slot 2: no positive temperature .* = 0, not < 0\)"):
+        fit_temperatures(np.array([[1.0, 1.0], [-1.0, -1.0]]), np.array([[0.9, 0.5], [0.1, 0.5]]))
+
+
+def test_sts_fit_reports_its_predictions_and_cross_entropies_at_the_temperatures(bundled):
+    """``predicted`` is the mean of ``sigmoid(z / T)`` at the fitted ``T``; ``bce_before`` and
+    ``bce_after`` the mean BCE against the labels at the draft's own (set to uneven values here,
+    not 1) and the fitted temperatures, from the raw scores read here independently."""
+    target, bundled_draft, tokens = bundled
+    draft = nnx.clone(bundled_draft)
+    gamma = draft.cfg.gamma
+    draft.confidence_head.sts_temperature.set_value(jnp.linspace(0.5, 2.0, gamma, dtype=jnp.float32))
+    windows = dict(batches=1, batch_size=2, seq_len=48, seed=1)
+    [z] = map_heldout_blocks(draft, target, tokens, lambda blocks: blocks["confidence_logits"], **windows)
+    [(_, match)] = map_heldout_blocks(draft, target, tokens, block_acceptance, **windows)
+    z, y = np.asarray(z, np.float64), np.clip(np.asarray(match, np.float64), 0, 1)
+    before = np.asarray(draft.confidence_head.sts_temperature[...], np.float64)
+    fit = fit_sts_temperature(draft, target, tokens, labels="greedy", apply=False, **windows)
+    fitted = np.asarray(fit.temperatures)
+
+    def bce(t):
+        x = z / t
+        return np.mean(np.logaddexp(0, x) - y * x, axis=0)
+
+    np.testing.assert_allclose(fit.predicted, np.mean(_sigmoid(z / fitted), axis=0), rtol=1e-6)
+    np.testing.assert_allclose(fit.bce_after, bce(fitted), rtol=1e-6)
+    np.testing.assert_allclose(fit.bce_before, bce(before), rtol=1e-6)
+
+
+def test_calibrate_command_saves_the_weights_in_the_save_dtype(tmp_path):
+    """The calibrated draft's weights are stored in ``--save-dtype`` (float16 by default), not only
+    named so in its config: every tensor of ``model.safetensors`` has that dtype but the fitted
+    temperatures, which the checkpoint keeps in float32."""
+    out = tmp_path / "calibrated"
+    argv = ["calibrate", "--out", str(out), "--labels", "greedy", "--batches", "1", "--batch-size", "2"]
+    assert main([*argv, "--seq-len", "48"]) == 0
+    raw = (out / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    dtypes = {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dtypes.pop("confidence_head.sts_temperature") == "F32"  # the fitted temperatures stay float32
+    assert set(dtypes.values()) == {"F16"}, dtypes
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"

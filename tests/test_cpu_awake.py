@@ -91,3 +91,12 @@ def test_spinners_exit_when_their_parent_dies_without_stopping_them():
     while _alive(pid) and _state(pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _alive(pid) or _state(pid) == "Z"  # exited (a zombie until its new parent reaps it)
+
+
+def test_a_count_of_spinners_takes_the_first_cpus_and_nice_zero_is_allowed():
+    """``CpuAwake(n)`` pins to the first ``n`` of :func:`host_cpus` (documented); nice 0, the
+    bottom of [0, 19], is a valid niceness. Nothing is started."""
+    cpus = host_cpus()
+    for n in range(1, len(cpus) + 1):
+        assert CpuAwake(n).cpus == cpus[:n]
+    assert CpuAwake(1, nice=0).nice == 0

@@ -96,3 +96,31 @@ def test_demo_says_no_when_plain_greedy_decoding_differs(capsys, monkeypatch):
     monkeypatch.setattr(generation, "generate", one_token_off)
     assert main(["demo", "--max-new", "16", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]) == 0
     assert "greedy output identical to plain decoding: NO" in capsys.readouterr().out
+
+
+def test_demo_speed_line_is_each_runs_new_tokens_over_its_seconds(capsys, monkeypatch):
+    """The speed line from stand-in generations and timings: speculative and plain tok/s are all
+    new tokens of all prompts over that run's timed seconds, the ratio speculative / plain."""
+    import types
+
+    from dspark_jax import demo, generation
+
+    spec = types.SimpleNamespace(
+        tokens=[[5, 6, 7], [8, 9]],
+        tau=[2.0, 1.5],
+        tau_overall=1.8,
+        rounds=3,
+        acceptance_by_position=[0.5] * 7,
+        confidence_by_position=[],
+    )
+    plain = types.SimpleNamespace(tokens=[[5, 6, 7, 1], [8, 9, 2]])
+    monkeypatch.setattr(generation, "speculative_generate", lambda *args, **kwargs: spec)
+    monkeypatch.setattr(generation, "generate", lambda *args, **kwargs: plain)
+    seconds = iter([0.5, 2.0, 0.25, 1.75])  # speculative then plain, greedy then temperature 1
+    monkeypatch.setattr(demo, "_timed", lambda fn: (fn(), next(seconds)))
+    assert main(["demo", "--max-new", "4", "--prompt", "def f():", "--prompt", "x = 1"]) == 0
+    out = capsys.readouterr().out
+    speeds = re.findall(r"^speed: speculative ([\d.]+) tok/s, plain ([\d.]+) tok/s, ratio ([\d.]+)×", out, re.M)
+    want = [(5 / 0.5, 7 / 2.0), (5 / 0.25, 7 / 1.75)]
+    assert speeds == [(f"{s:.1f}", f"{p:.1f}", f"{s / p:.2f}") for s, p in want], out
+    assert "greedy output identical to plain decoding: NO" in out

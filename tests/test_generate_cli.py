@@ -195,3 +195,63 @@ def test_a_tokenizer_with_ids_past_the_target_vocabulary_is_named(tmp_path, caps
         assert want + "--target's vocabulary of 270" in err, err
     assert main([*argv, "--tokenizer", "", "--prompt", text]) == 2
     assert "--tokenizer '' is invalid: give a tokenizer.json or its folder" in capsys.readouterr().err
+
+
+def test_generate_compares_every_new_token_per_second_and_measures_at_the_longest_prompt(tmp_path, capsys, monkeypatch):
+    """With stand-in generations: ``--compare``'s tok/s are all new tokens over the run's seconds
+    (the second, compiled, runs), the speed-up speculative / plain; the verify schedule is
+    measured at the longest prompt's length; verified per request-round is verified tokens over
+    request-rounds; ``--no-stop`` passes no stop token, its absence the tokenizer's end of text."""
+    import types
+
+    from dspark_jax import generate_cli
+    from dspark_jax.tokenizer import load_tokenizer
+
+    argv = _save_pair(tmp_path, enable_confidence_head=True)
+
+    def result(tokens, seconds):
+        return types.SimpleNamespace(
+            tokens=tokens,
+            seconds=seconds,
+            tau=[2.0, 1.0],
+            tau_overall=1.5,
+            acceptance_by_position=[0.5, 0.25, 0.0],
+            rounds=4,
+            verify_length_counts=[1, 2, 0, 3],
+            verified_tokens=15,
+        )
+
+    specs = iter([result([[1, 2, 3], [4, 5]], 9.0), result([[1, 2, 3], [4, 5]], 0.5)])
+    plains = iter([result([[1, 2, 3], [4, 5, 6, 7]], 9.0), result([[1, 2, 3], [4, 5, 6, 7]], 2.0)])
+    stops = []
+
+    def speculative(*args, **kwargs):
+        stops.append(kwargs["stop_tokens"])
+        return next(specs)
+
+    monkeypatch.setattr(generate_cli, "speculative_generate", speculative)
+    monkeypatch.setattr(generate_cli, "generate", lambda *args, **kwargs: next(plains))
+    asked = {}
+
+    def measured(target, draft, batch, **kwargs):
+        asked.update(kwargs, batch=batch)
+        return {"stand-in": True}
+
+    monkeypatch.setattr(generate_cli, "measure_verify_schedule", measured)
+    prompts = ["the cat", "the cat sat on the mat. the cat ate"]
+    flags = ["--max-new-tokens", "4", "--no-stop", "--verify-schedule", "uniform", "--compare"]
+    assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1], *flags]) == 0
+    out = capsys.readouterr().out
+    tokenizer = load_tokenizer(str(tmp_path / "target"))
+    assert asked["batch"] == 2 and asked["prompt_len"] == max(len(tokenizer.encode(p)) for p in prompts)
+    assert f"verified per request-round: {15 / 6:.2f} (request-rounds verifying 1 … 4 tokens: 1 2 0 3)" in out
+    speed_spec, speed_plain = 5 / 0.5, 7 / 2.0
+    assert (
+        f"tokens/s (compiled): speculative {speed_spec:.1f}, plain {speed_plain:.1f}, "
+        f"speed-up {speed_spec / speed_plain:.2f}x"
+    ) in out
+    assert "greedy outputs identical to plain decoding: False" in out
+    tokenizer_eos = tokenizer.eos_id
+    specs = iter([result([[1, 2, 3], [4, 5]], 1.0)])
+    assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "4"]) == 0
+    assert stops == [None, None, [tokenizer_eos]]  # --no-stop: no stop token; else the tokenizer's end of text

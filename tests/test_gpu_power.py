@@ -106,3 +106,85 @@ def test_nvml_device_follows_cuda_visible_devices(monkeypatch, visible, expected
 def test_bad_interval_is_refused(interval):
     with pytest.raises(ValueError, match="interval_s=.* is invalid: must be a positive number of seconds"):
         PowerSampler(interval_s=interval, reader=(lambda: (0.0, 0.0, 0), None))
+
+
+class _FakeNvml:
+    """NVML's C entry points as ``nvml_reader`` calls them: each writes its answer through the
+    ``byref`` pointer and returns 0 (success) or the code set in ``fail``."""
+
+    def __init__(self, *, power_mw=650_123, clock_mhz=1755, bits=0x4, limit_mw=700_000, fail=()):
+        self.answers = {"power": power_mw, "clock": clock_mhz, "bits": bits, "limit": limit_mw}
+        self.fail, self.handles = set(fail), []
+
+    def _answer(self, what, ref):
+        if what in self.fail:
+            return 999
+        ref._obj.value = self.answers[what]
+        return 0
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, ref):
+        self.handles.append(index.value)
+        return 0
+
+    def nvmlDeviceGetHandleByUUID(self, uuid, ref):
+        self.handles.append(uuid)
+        return 0
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle, ref):
+        return self._answer("limit", ref)
+
+    def nvmlDeviceGetPowerUsage(self, handle, ref):
+        return self._answer("power", ref)
+
+    def nvmlDeviceGetClockInfo(self, handle, kind, ref):
+        assert kind == 1  # NVML_CLOCK_SM
+        return self._answer("clock", ref)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle, ref):
+        return self._answer("bits", ref)
+
+
+def test_nvml_reader_converts_milliwatts_to_watts_and_picks_the_visible_device(monkeypatch):
+    """NVML reports power and the limit in mW: the reader gives W; the clock in MHz and the reason
+    bits as read; the device is the first of ``CUDA_VISIBLE_DEVICES`` (an index or a UUID)."""
+    nvml = _FakeNvml()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    read, limit_w = gpu_power.nvml_reader()
+    assert limit_w == 700.0 and nvml.handles == [2]
+    assert read() == (650.123, 1755.0, 0x4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2e")
+    gpu_power.nvml_reader()
+    assert nvml.handles == [2, b"GPU-8f2e"]
+
+
+@pytest.mark.parametrize("failing", ["power", "clock", "bits"])
+def test_a_reading_with_any_failed_query_is_none_and_an_unknown_limit_is_none(monkeypatch, failing):
+    """One failed query is enough to drop the reading (its zeros would skew the medians)."""
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _FakeNvml(fail={failing, "limit"}))
+    read, limit_w = gpu_power.nvml_reader(0)
+    assert limit_w is None and read() is None
+
+
+def test_thermal_and_hardware_slowdown_shares_count_each_of_their_bits():
+    """THERMAL is the software (0x20) and hardware (0x40) thermal bits; HW_SLOWDOWN the hardware
+    slowdown (0x8) and power-brake (0x80) bits."""
+    readings = [(1.0, 1.0, 0x40), (1.0, 1.0, 0x8), (1.0, 1.0, 0x20 | 0x80), (1.0, 1.0, 0x4), (1.0, 1.0, 0)]
+    sampler = PowerSampler(reader=(lambda: readings[0], None))
+    sampler.samples = list(readings)
+    got = sampler.summary()
+    bits = np.array([r[2] for r in readings])
+    assert got["thermal_share"] == np.mean((bits & 0x60) != 0) == 0.4
+    assert got["hw_slowdown_share"] == np.mean((bits & 0x88) != 0) == 0.4
+    assert got["power_capped_share"] == 0.2
+
+
+@pytest.mark.parametrize("visible", ["NoDevFiles", "-1", "none"])
+def test_a_visible_devices_word_that_is_no_index_or_uuid_means_index_0(monkeypatch, visible):
+    """SLURM sets ``CUDA_VISIBLE_DEVICES=NoDevFiles`` on a job without GPUs: neither an index nor
+    a UUID, so the first device (index 0) is asked for, not ``int()`` of the word."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_power.nvml_device_index() == 0

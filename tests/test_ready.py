@@ -34,3 +34,24 @@ def test_a_numpy_timeout_is_a_number_and_a_wrong_type_is_named():
         assert float(spin_until_ready(jnp.ones(2), timeout_s=timeout)[0]) == 1.0
     with pytest.raises(ValueError, match=r"timeout_s='1' \(type str\) is invalid: must be None or a number"):
         spin_until_ready(jnp.ones(2), timeout_s="1")
+
+
+def test_polls_until_ready_and_times_out_only_after_the_timeout(monkeypatch):
+    """With an array that reports not ready a few times: it polls until ready (a generous timeout
+    does not fire); one never ready raises TimeoutError only once ``timeout_s`` seconds passed."""
+    import time
+
+    x = jnp.ones(3)
+    polls = []
+
+    def not_ready_thrice(self):
+        polls.append(1)
+        return len(polls) > 3
+
+    monkeypatch.setattr(type(x), "is_ready", not_ready_thrice)
+    assert spin_until_ready(x, timeout_s=30.0) is x and len(polls) == 4
+    monkeypatch.setattr(type(x), "is_ready", lambda self: False)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"an array of shape \(3,\) was not ready after 0.2 s"):
+        spin_until_ready(x, timeout_s=0.2)
+    assert time.perf_counter() - start >= 0.2
