@@ -326,3 +326,50 @@ def test_non_threefry_keys_raise_type_error():
     keys = jax.random.split(jax.random.key(0, impl="rbg"), 4)
     with pytest.raises(TypeError, match=r"^key has PRNG implementation rbg"):
         log_exponential_noise(keys, 8)
+
+
+def test_block_mass_rounds_each_term_to_the_nearest_integer():
+    """``mass = Σ round(exp(x − top) · 2³⁰)`` with round-to-nearest (module docstring of
+    ``sampling``), as ``f32(high) · 2¹⁵ + f32(low)`` of the exact integer sums of the terms' high
+    and low 15 bits. The reference takes the float32 terms ``exp(x − top)`` from the same
+    ``exp`` (it is not the code under test) and does the rest exactly in float64/int64. Many
+    small terms (fractional parts everywhere) make truncation, instead of rounding, move the
+    mass by hundreds of units, several float32 ulps of a mass near 2³⁰ (128): compared exactly."""
+    rng = np.random.default_rng(42)
+    x = rng.uniform(-20.0, -8.0, (4, 1024)).astype(np.float32)
+    x[:, 0] = 0.0  # top = 0
+    top, mass = (np.asarray(a) for a in S.block_mass(jnp.asarray(x)))
+    terms = np.asarray(jnp.exp(jnp.asarray(x) - jnp.asarray(top)[:, None])).astype(np.float64)
+    n = np.floor(terms * 2.0**30 + 0.5).astype(np.int64)
+    high, low = (n >> 15).sum(-1), (n & 0x7FFF).sum(-1)
+    want = np.float32(high.astype(np.float32) * np.float32(2.0**15)) + low.astype(np.float32)
+    np.testing.assert_array_equal(top, 0.0)
+    np.testing.assert_array_equal(mass, want)
+    truncated = np.floor(terms * 2.0**30).astype(np.int64).sum(-1)
+    assert (np.abs(n.sum(-1) - truncated) > 3 * 128).all()  # truncating instead: over 3 ulps off
+
+
+def test_a_nan_logit_counts_as_minus_inf_in_the_block_race():
+    """A NaN logit is ``-inf`` (module docstring of ``sampling``) in the blocks' scores as well as
+    the tokens': with ``V = 2W``, token 3 NaN, block 0's other logits 0 and block 1's 1, block 0
+    wins with probability ``(W − 1) / (W − 1 + W·e)``. Small batches (4 rows, 200 keys), where the
+    CPU's reductions propagate a NaN ``top`` (a wide vectorised max may drop it and hide a missing
+    NaN guard). Tolerance: 6 standard deviations of the block-0 share over the 800 draws (a
+    correct sampler fails with probability below 1e-8); a NaN block score, which never wins the
+    lowest-id argmax, gives a share of 0."""
+    vocab, rows, calls = 2 * W, 4, 200
+    row = np.zeros(vocab, np.float32)
+    row[W:] = 1.0
+    row[3] = np.nan
+    logits = np.broadcast_to(row, (rows, vocab))
+    step = jax.jit(sample_step)
+    got = np.concatenate(
+        [
+            np.asarray(step(logits, np.ones(rows, np.float32), np.zeros(rows, bool), jax.random.key(seed)))
+            for seed in range(calls)
+        ]
+    )
+    assert 3 not in got
+    n, want = got.size, (W - 1) / (W - 1 + W * np.e)
+    share = np.mean(got < W)
+    assert abs(share - want) < 6 * np.sqrt(want * (1 - want) / n), share

@@ -94,7 +94,12 @@ def test_round_matches_numpy_reference(name):
 
 @pytest.mark.parametrize(
     ("name", "fold_sampling", "per_row_keys"),
-    [("vanilla-confidence", True, True), ("dflash-no-head", True, False), ("vanilla-confidence", False, False)],
+    [
+        ("vanilla-confidence", True, True),
+        ("dflash-no-head", True, False),
+        ("vanilla-confidence", False, False),
+        ("rnn", True, False),  # a head that reads each slot's hidden state (the vanilla one ignores it)
+    ],
 )
 def test_folded_and_eager_pick_identical_tokens(name, fold_sampling, per_row_keys):
     cfg = tiny_config(**CONFIGS[name])
@@ -389,3 +394,38 @@ def test_a_cache_of_integer_dtype_is_refused(small_round, jitted):
             _propose(graphdef, state, ints, *(good[n] for n in names))
         else:
             propose_eager(draft, ints, **good)
+
+
+def test_bfloat16_walk_races_on_the_corrected_logits_as_kept():
+    """``DraftBlock.corrected_logits`` (model dtype): ``q = softmax(corrected / T)`` is exactly the
+    law the sampling rows drew from, so each sampling row's token is the race of its step key on
+    the kept bfloat16 corrected logits, not on the float32 ``base + bias`` before rounding.
+    Logits in [64, 72) (a bfloat16 unit of 0.5) and a sizeable Markov bias make the two races
+    differ in many rows."""
+    from dspark_jax.markov import make_markov_head
+    from dspark_jax.proposal import walk_block
+    from dspark_jax.sampling import sample_step
+
+    cfg = tiny_config(dtype="bfloat16", param_dtype="bfloat16")
+    head = make_markov_head(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(9)
+    v, r = cfg.vocab_size, cfg.markov_rank
+    head.markov_w1[...] = jnp.asarray(rng.standard_normal((v, r)), jnp.bfloat16)
+    head.markov_w2[...] = jnp.asarray(0.5 * rng.standard_normal((v, r)), jnp.bfloat16)
+    b, gamma = 256, cfg.gamma
+    base = jnp.asarray(64.0 + 8.0 * rng.random((b, gamma, v)), jnp.bfloat16)
+    hidden = jnp.asarray(rng.standard_normal((b, gamma, cfg.hidden_size)), jnp.bfloat16)
+    bonus = jnp.asarray(rng.integers(0, v, b), jnp.int32)
+    temps = jnp.where(jnp.arange(b) % 4 == 0, 0.0, 1.0).astype(jnp.float32)
+    top_k = jnp.full(b, TOP_K_ALL, jnp.int32)
+    key = jax.random.key(10)
+    tokens, corrected, greedy, clamped = jax.jit(walk_block, static_argnums=0)(
+        head, base, hidden, bonus, temps, top_k, key
+    )
+    assert corrected.dtype == jnp.bfloat16
+    keys = row_keys(key, b)
+    for k in range(gamma):
+        want = sample_step(corrected[:, k].astype(jnp.float32), clamped, greedy, step_keys(keys, k))
+        np.testing.assert_array_equal(
+            np.asarray(tokens[:, k])[~np.asarray(greedy)], np.asarray(want)[~np.asarray(greedy)]
+        )

@@ -378,3 +378,38 @@ def test_row_and_step_keys_are_fold_ins_of_the_row_and_the_step():
         np.testing.assert_array_equal(step, jax.random.key_data(jax.random.fold_in(rows[b], 2)))
     raw = row_keys(jax.random.key_data(key), 3)  # a raw key: the same keys
     np.testing.assert_array_equal(jax.random.key_data(raw), jax.random.key_data(rows))
+
+
+def test_temperatures_above_the_1e_5_clamp_sample_their_own_law():
+    """DSPARK_SPEC §3 clamps temperatures below at 1e-5, no higher: T = 5e-5 must sample
+    ``softmax(logits / 5e-5)`` (logits 5e-5 apart: 1 nat apart). Tolerance: ``tv_bound`` (module
+    docstring, δ = 1e-6); a clamp at 1e-3 would draw a near-uniform law, over 10 bounds away."""
+    logits = np.array([0.0, 5e-5, 1e-4, -5e-5], np.float32)
+    temperature = 5e-5
+    tokens = np.asarray(
+        _sample(
+            np.broadcast_to(logits, (N_DRAWS, 4)),
+            np.full(N_DRAWS, temperature, np.float32),
+            np.zeros(N_DRAWS, bool),
+            jax.random.key(21),
+        )
+    )
+    freq = np.bincount(tokens, minlength=4) / N_DRAWS
+    expected = softmax(logits.astype(np.float64) / temperature)
+    bound = tv_bound(4, N_DRAWS)
+    assert tv(softmax(logits.astype(np.float64) / 1e-3), expected) > 10 * bound
+    assert tv(freq, expected) < bound
+
+
+def test_race_dtype_rounds_the_logits_of_the_block_race_too():
+    """With ``race_dtype`` every level of the two-level race reads the kept (rounded) logits: the
+    blocks' masses as well as the winning block's tokens, so the tokens are exactly those of the
+    race run on the kept values. Logits in [64, 72) (a bfloat16 unit of 0.5 there) and four race
+    blocks make block masses from the unrounded logits pick another block in many rows."""
+    n, v = 512, 3 * S.RACE_BLOCK + 1
+    rng = np.random.default_rng(23)
+    logits = (64.0 + 8.0 * rng.random((n, v))).astype(np.float32)
+    kept = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))
+    temps, greedy, key = np.ones(n, np.float32), np.zeros(n, bool), jax.random.key(24)
+    got = np.asarray(_sample(logits, temps, greedy, key, race_dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(got, np.asarray(_sample(kept, temps, greedy, key)))

@@ -773,3 +773,121 @@ def test_a_draft_the_target_cannot_emit_is_rejected_even_at_uniform_zero():
     )
     assert int(correct_len[0]) == 0
     assert int(bonus[0]) in (0, 1)  # from the target's top-2 residual
+
+
+def test_a_rejection_with_no_residual_mass_draws_the_bonus_from_p():
+    """§4 and the module docstring: on a rejection the bonus comes from ``normalise(max(p − q, 0))``,
+    or from ``p`` itself when that residual is all zero. Here ``q == p`` (same logits, no top-k /
+    top-p) and the draft is a token both give probability 0, so slot 0 is rejected with a zero
+    residual; token 0 has ``p = 0`` too, so a race on the all-zero residual (token 0) is wrong.
+    Odd rows' ``q`` differs (their residual has mass): each row's fallback is its own. Compared
+    with the per-row reference for several fixed noises."""
+    b, gamma, v = 8, 2, 5
+    row = np.array([-np.inf, 1.0, 0.5, -np.inf, 0.0], np.float32)
+    logits = np.broadcast_to(row, (b, gamma + 1, v)).copy()
+    corrected = logits[:, :gamma].copy()
+    corrected[1::2, :, 1] += 3.0  # odd rows: q over-rates token 1, so their residual has mass
+    drafts = np.tile([3, 1], (b, 1))  # p(3) = q(3) = 0
+    rng = np.random.default_rng(31)
+    u = rng.random((b, gamma)).astype(np.float32)
+    e = rng.exponential(size=(b, v)).astype(np.float32)
+    ks, ps, temps = np.full(b, TOP_K_ALL), np.ones(b, np.float32), np.full(b, 0.9, np.float32)
+    n, bonus = jax.jit(accept_with_noise)(
+        jnp.asarray(logits),
+        _block(drafts, corrected, np.zeros(b, bool), temps),
+        top_k=jnp.asarray(ks, jnp.int32),
+        top_p=jnp.asarray(ps),
+        verify_len=None,
+        uniforms=jnp.asarray(u),
+        exponentials=jnp.asarray(e),
+    )
+    want = [
+        _ref_accept(logits[i], drafts[i], corrected[i], False, temps[i], ks[i], ps[i], gamma, u[i], e[i])
+        for i in range(b)
+    ]
+    np.testing.assert_array_equal(np.asarray(n), [w[0] for w in want])
+    np.testing.assert_array_equal(np.asarray(bonus), [w[1] for w in want])
+    assert (np.asarray(n) == 0).all() and np.isin(np.asarray(bonus), [1, 2, 4]).all()
+
+
+def test_top_p_keeps_the_top_token_even_when_its_threshold_underflows():
+    """Top-p keeps "never fewer than one token" (``apply_top_k_top_p``): with ``top_p`` the smallest
+    float32 above 0, ``top_p · mass`` underflows to 0 (or the CPU flushes the subnormal), and no
+    rank passes the ``before < top_p · mass`` test; the first rank must still be kept."""
+    probs = np.array([[0.1, 0.4, 0.3, 0.2], [0.25, 0.25, 0.3, 0.2]], np.float32)
+    top_p = np.full(2, np.finfo(np.float32).smallest_subnormal, np.float32)
+    for top_k in ([2, 3], [TOP_K_ALL, TOP_K_ALL]):
+        got = np.asarray(jax.jit(apply_top_k_top_p)(jnp.asarray(probs), jnp.asarray(top_k), jnp.asarray(top_p)))
+        want = np.stack([_ref_top_k_top_p(probs[i], top_k[i], float(top_p[i])) for i in range(2)])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, [[0, 1, 0, 0], [0, 0, 1, 0]])
+
+
+def test_accept_draws_the_uniforms_and_the_bonus_noise_independently():
+    """The committed tokens' law needs the uniforms ``u`` and the bonus race's ``E`` independent.
+    With ``γ = V`` the row's ``u[i, j]`` and ``E[i, j]`` sit at the same flat index, so drawing both
+    from one key (instead of two split keys) couples ``u_0`` to ``E_0``: a rejection at slot 0
+    (``u_0`` large) then makes ``E_0`` small and token 0 wins the residual race too often.
+    Tolerance as in ``test_accept_outcome_distribution_matches_enumeration`` (E[TV] bound plus
+    0.01 by McDiarmid at probability e^-8)."""
+    n_rows, gamma, v = 40_000, 3, 3
+    logits = np.array([[0.0, 0.0, 0.0]] * (gamma + 1))
+    corrected = np.zeros((gamma, v))
+    corrected[:, 2] = np.log(4.0)  # q = (1/6, 1/6, 2/3), p uniform: slot 0 accepted w.p. 1/2
+    drafts = np.array([2, 2, 2])
+    temp, k, p, cap = 1.0, TOP_K_ALL, 1.0, gamma
+    block = _block(
+        np.tile(drafts, (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.full(n_rows, temp)
+    )
+    n, bonus = jax.jit(accept)(
+        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
+        block,
+        top_k=jnp.full((n_rows,), k),
+        top_p=jnp.full((n_rows,), p, jnp.float32),
+        key=jax.random.key(8),
+    )
+    counts = np.zeros((cap + 1, v))
+    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
+    want = _exact_outcomes(logits, drafts, corrected, temp, k, p, cap)
+    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.01
+    tv = 0.5 * np.abs(counts / n_rows - want).sum()
+    assert tv < tol, (tv, tol)
+
+
+def test_top_p_one_keeps_every_top_k_token_even_below_the_running_sums_resolution():
+    """``top_p >= 1`` keeps all of the top-k: a token whose probability (1e-9) is lost in the float32
+    running sum must not be dropped by the top-p test (``before < top_p · mass`` fails for it, as
+    its ``before`` already equals the top-k mass)."""
+    probs = np.array([[0.6, 0.4 - 1e-9, 1e-9, 0.0, 0.0]], np.float32)
+    top_k, top_p = np.array([3]), np.ones(1, np.float32)
+    got = np.asarray(jax.jit(apply_top_k_top_p)(jnp.asarray(probs), jnp.asarray(top_k), jnp.asarray(top_p)))
+    want = _ref_top_k_top_p(probs[0], 3, 1.0)
+    np.testing.assert_array_equal(got[0] > 0, want > 0)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    assert got[0, 2] > 0
+
+
+def test_sample_tokens_takes_the_argmax_for_temperature_zero_not_a_tiny_temperature():
+    """A temperature-0 row is greedy (``greedy_rows``): the argmax, lowest id on ties, whatever the
+    key, not a race at the 1e-5 clamp (logits 1e-6 apart are 0.1 nat apart there, and tied ones a
+    coin toss)."""
+    logits = jnp.asarray([[0.0, 1e-6, -1.0], [2.0, 0.5, 2.0], [1.0, 1.0 + 1e-6, 1.0]], jnp.float32)
+    temps = jnp.zeros(3, jnp.float32)
+    top_k, top_p = jnp.full(3, TOP_K_ALL, jnp.int32), jnp.ones(3, jnp.float32)
+    run = jax.jit(sample_tokens)
+    for seed in range(16):
+        got = np.asarray(run(logits, temps, top_k, top_p, jax.random.key(seed)))
+        np.testing.assert_array_equal(got, [1, 0, 1])
+
+
+def test_target_probs_are_computed_from_the_float32_logits():
+    """The target's law is ``softmax(logits / T)`` of the float32 logits as given (the library does
+    its sampling maths in float32): logits 0.01 apart at 8 (one bfloat16 value) keep their
+    distinct probabilities. Reference in float64, relative tolerance 1e-5 (float32 rounding;
+    rounding the logits to bfloat16 first moves them by 0.5 %)."""
+    logits = np.array([[8.0, 8.01, 7.5, 6.0], [0.3, 0.301, -1.0, 0.0]], np.float32)
+    temps = np.array([1.0, 0.7], np.float32)
+    ones, all_k = jnp.ones(2, jnp.float32), jnp.full(2, TOP_K_ALL, jnp.int32)
+    got = np.asarray(jax.jit(target_probs)(jnp.asarray(logits), jnp.asarray(temps), all_k, ones))
+    want = _softmax(logits.astype(np.float64) / temps[:, None].astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
