@@ -484,10 +484,10 @@ def test_idle_ms_out_of_range_is_refused():
             bench.main(["--shapes", "tiny", "--batches", "1", "--idle-ms", value, "--no-torch", "--no-compile"])
 
 
-def test_warm_up_calls_hold_the_previous_result_as_the_waited_loop_does():
-    """Each warm-up call, like each waited call after it, runs while the previous result is
-    still held (XLA then records its CUDA graphs for that allocation pattern before the loop)."""
-    held = []  # per call: was the previous call's result alive during this call?
+def _previous_result_held(**time_call_kwargs) -> list[bool]:
+    """Per call of ``time_call(**time_call_kwargs)``, in order: whether the previous call's
+    result was still alive while this call ran."""
+    held = []
     last = [None]
 
     def call():
@@ -496,7 +496,14 @@ def test_warm_up_calls_hold_the_previous_result_as_the_waited_loop_does():
         last[0] = weakref.ref(result)
         return result
 
-    bench_timing.time_call(call, iters=4, warmup=3)
+    bench_timing.time_call(call, **time_call_kwargs)
+    return held
+
+
+def test_warm_up_calls_hold_the_previous_result_as_the_waited_loop_does():
+    """Each warm-up call, like each waited call after it, runs while the previous result is
+    still held (XLA then records its CUDA graphs for that allocation pattern before the loop)."""
+    held = _previous_result_held(iters=4, warmup=3)
     assert held[:7] == [False] + [True] * 6  # 3 warm-up calls, then the 4 waited ones
 
 
@@ -778,16 +785,7 @@ def test_time_call_reports_milliseconds_of_each_loop_from_a_scripted_clock(monke
 def test_released_calls_run_with_the_previous_result_dropped():
     """``released_median_ms``: in that loop alone no earlier result is alive during a call (the
     waited, pipelined and spin loops hold the previous one)."""
-    held = []
-    last = [None]
-
-    def call():
-        held.append(last[0] is not None and last[0]() is not None)
-        result = np.zeros(1)
-        last[0] = weakref.ref(result)
-        return result
-
-    bench_timing.time_call(call, iters=2, warmup=1)
+    held = _previous_result_held(iters=2, warmup=1)
     # warm-up, 2 waited, 2 pipelined, 2 released, 2 spin-waited
     assert held == [False, True, True, True, True, False, False, True, True]
 

@@ -314,6 +314,29 @@ def test_accept_takes_lists_for_verify_len_and_the_blocks_arrays():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _outcome_tv(logits, drafts, corrected, temp, k, p, cap, n_rows, *, seed):
+    """``(tv, tol, want)``: ``accept`` on ``n_rows`` copies of one row (key ``seed``), the total
+    variation between its ``(correct_len, bonus)`` histogram and ``_exact_outcomes``, and the
+    tolerance: E[TV] = ½ Σ E|p̂ − p| <= ½ Σ sqrt(p(1 − p) / N), plus 0.01 by McDiarmid at
+    probability e^-8."""
+    v = logits.shape[-1]
+    block = _block(
+        np.tile(drafts, (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.full(n_rows, temp)
+    )
+    n, bonus = jax.jit(accept)(
+        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
+        block,
+        top_k=jnp.full((n_rows,), k),
+        top_p=jnp.full((n_rows,), p, jnp.float32),
+        key=jax.random.key(seed),
+    )
+    counts = np.zeros((cap + 1, v))
+    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
+    want = _exact_outcomes(logits, drafts, corrected, temp, k, p, cap)
+    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.01
+    return 0.5 * np.abs(counts / n_rows - want).sum(), tol, want
+
+
 def test_accept_outcome_distribution_matches_enumeration():
     rng = np.random.default_rng(2)
     n_rows, gamma, v = 40_000, 3, 5
@@ -324,22 +347,7 @@ def test_accept_outcome_distribution_matches_enumeration():
     second = int(np.argsort(-logits[0], kind="stable")[1])
     corrected[0, second] += 2.0
     drafts = np.array([second, np.argmax(logits[1]), np.argmax(logits[2])])
-    block = _block(
-        np.tile(drafts, (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.full(n_rows, temp)
-    )
-    n, bonus = jax.jit(accept)(
-        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
-        block,
-        top_k=jnp.full((n_rows,), k),
-        top_p=jnp.full((n_rows,), p, jnp.float32),
-        key=jax.random.key(7),
-    )
-    counts = np.zeros((cap + 1, v))
-    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
-    want = _exact_outcomes(logits, drafts, corrected, temp, k, p, cap)
-    # E[TV] = ½ Σ E|p̂ − p| <= ½ Σ sqrt(p(1 − p) / N); McDiarmid adds 0.01 at probability e^-8.
-    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.01
-    tv = 0.5 * np.abs(counts / n_rows - want).sum()
+    tv, tol, want = _outcome_tv(logits, drafts, corrected, temp, k, p, cap, n_rows, seed=7)
     assert tv < tol, (tv, tol)
     assert want[0].sum() > 0.05 and want[cap].sum() > 0.05  # both rejection and full acceptance occur
 
@@ -836,21 +844,7 @@ def test_accept_draws_the_uniforms_and_the_bonus_noise_independently():
     corrected[:, 2] = np.log(4.0)  # q = (1/6, 1/6, 2/3), p uniform: slot 0 accepted w.p. 1/2
     drafts = np.array([2, 2, 2])
     temp, k, p, cap = 1.0, TOP_K_ALL, 1.0, gamma
-    block = _block(
-        np.tile(drafts, (n_rows, 1)), np.tile(corrected, (n_rows, 1, 1)), np.zeros(n_rows, bool), np.full(n_rows, temp)
-    )
-    n, bonus = jax.jit(accept)(
-        jnp.asarray(np.tile(logits, (n_rows, 1, 1)), jnp.float32),
-        block,
-        top_k=jnp.full((n_rows,), k),
-        top_p=jnp.full((n_rows,), p, jnp.float32),
-        key=jax.random.key(8),
-    )
-    counts = np.zeros((cap + 1, v))
-    np.add.at(counts, (np.asarray(n), np.asarray(bonus)), 1)
-    want = _exact_outcomes(logits, drafts, corrected, temp, k, p, cap)
-    tol = 0.5 * np.sqrt(want * (1 - want) / n_rows).sum() + 0.01
-    tv = 0.5 * np.abs(counts / n_rows - want).sum()
+    tv, tol, _ = _outcome_tv(logits, drafts, corrected, temp, k, p, cap, n_rows, seed=8)
     assert tv < tol, (tv, tol)
 
 
