@@ -349,6 +349,7 @@ class TargetConfig:
         """
         if not isinstance(hf, dict):
             raise TypeError(f"hf config must be a dict, got {type(hf).__name__}")
+        _check_target_features(hf)
         kwargs = _transformer_kwargs(hf, "target config")
         tie = hf.get("tie_word_embeddings")
         # Strict, like every boolean field: bool("false") would be True.
@@ -546,6 +547,67 @@ class DraftConfig:
         return out
 
 
+def _check_target_features(hf: dict[str, Any]) -> None:
+    """Refuses a target config.json asking for what the reference Qwen3 target does not implement."""
+    for field, bad, allowed in (
+        ("model_type", hf.get("model_type", "qwen3") != "qwen3", '"qwen3" (or absent)'),
+        ("hidden_act", hf.get("hidden_act", "silu") != "silu", '"silu" (or absent)'),
+        ("use_sliding_window", hf.get("use_sliding_window") not in (None, False), "false: attention is global"),
+    ):
+        if bad:
+            _fail(field, hf[field], f"not supported by the reference Qwen3 target, must be {allowed}")
+
+
+# z-lab/dflash's dflash_config entries that change the computation, with their neutral values.
+_DFLASH_NEUTRAL = {
+    "input_embedding_scale": (None, 1),
+    "output_multiplier": (None, 1),
+    "projector_type": (None, "dflash"),
+}
+# DFlash-2 (grouped causal convolutions, candidate selector) and speculators' Domino fields.
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab/dflash reads a missing block_size as 16 query rows.
+ZLAB_DEFAULT_BLOCK_ROWS = 16
+
+
+def _check_draft_attention(hf: dict[str, Any], where: str) -> None:
+    """Refuses causal or sliding-window draft attention: the draft attends to the whole block
+    and the whole context. In z-lab/dflash a ``sliding_attention`` layer is causal inside the
+    block and windowed, as is every layer when ``is_causal`` is true; speculators' sliding
+    layers are causal unless ``sliding_window_non_causal``, and windowed either way."""
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+        _fail(
+            f"{where}layer_types",
+            types,
+            "only 'full_attention' layers are supported (a 'sliding_attention' draft layer is causal and "
+            "windowed; this draft attends to the whole block and context)",
+        )
+    if hf.get("use_sliding_window") not in (None, False):
+        _fail(f"{where}use_sliding_window", hf["use_sliding_window"], "must be false or absent (no sliding window)")
+    if hf.get("is_causal") not in (None, False):
+        _fail(f"{where}is_causal", hf["is_causal"], "must be false or absent (the block attention is bidirectional)")
+
+
+def _check_dflash_extras(settings: dict[str, Any], where: str) -> None:
+    """Refuses DFlash settings that change the computation and are not implemented."""
+    for name, neutral in _DFLASH_NEUTRAL.items():
+        if name in settings and settings[name] not in neutral:
+            _fail(f"{where}{name}", settings[name], f"not supported, must be one of {list(neutral)} or absent")
+    softcap = settings.get("final_logit_softcapping")
+    if softcap is not None and (not is_real(softcap) or softcap > 0):
+        _fail(f"{where}final_logit_softcapping", softcap, "logit soft-capping is not supported: must be null or absent")
+    present = [name for name in _DFLASH2_FIELDS if settings.get(name) is not None]
+    if present:
+        _fail(
+            f"{where}{present[0]}",
+            settings[present[0]],
+            "a DFlash-2 draft (convolutions, candidate selector) is not supported",
+        )
+    if settings.get("shift_label") not in (None, False):
+        _fail(f"{where}shift_label", settings["shift_label"], "shifted training targets (Domino) are not supported")
+
+
 def _gamma_from_rows(rows: Any, sample_from_anchor: Any) -> Any:
     """γ from a file's ``block_size`` (query rows; the DFlash layout counts the anchor)."""
     if sample_from_anchor is not False or not is_integer(rows):
@@ -565,6 +627,13 @@ def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     nested = hf.get("dflash_config") or {}
     if not isinstance(nested, dict):
         _fail("dflash_config", nested, "must be a dict")
+    _check_draft_attention(hf, "")
+    if any("DFlash2" in str(a) for a in hf.get("architectures") or ()):
+        _fail(
+            "architectures", hf["architectures"], "a DFlash-2 draft (convolutions, candidate selector) is not supported"
+        )
+    _check_dflash_extras(hf, "")
+    _check_dflash_extras(nested, "dflash_config.")
     for name in ("block_size", "mask_token_id", "target_layer_ids"):
         if name in hf and name in nested and hf[name] != nested[name]:
             raise ValueError(
@@ -587,6 +656,8 @@ def _deepspec_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
             kwargs[name] = hf[name]
     # A file without Markov fields is a DFlash checkpoint: no Markov head, DFlash layout.
     is_deepspec = "markov_rank" in hf
+    if not is_deepspec and "block_size" not in kwargs:
+        kwargs["block_size"] = ZLAB_DEFAULT_BLOCK_ROWS  # z-lab/dflash's default, in query rows
     kwargs.setdefault("markov_rank", 0)
     kwargs.setdefault("sample_from_anchor", is_deepspec)
     return kwargs
@@ -598,6 +669,9 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(layer_cfg, dict):
         raise ValueError(f"speculators config needs a 'transformer_layer_config' dict, got {type(layer_cfg).__name__}")
     _check_rope_dicts(hf)  # the outer dict's own RoPE entries (the layers read the inner one's)
+    _check_draft_attention(hf, "")
+    _check_draft_attention(layer_cfg, "transformer_layer_config.")
+    _check_dflash_extras(hf, "")
     kwargs = _transformer_kwargs(layer_cfg, "transformer_layer_config")
     draft_vocab = hf.get("draft_vocab_size")
     if draft_vocab is not None and draft_vocab != kwargs["vocab_size"]:
@@ -643,4 +717,26 @@ def _speculators_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     kwargs.setdefault("markov_rank", 0)
     # Speculators exports default to the DFlash slot layout.
     kwargs.setdefault("sample_from_anchor", False)
+    _check_speculative_tokens(hf, kwargs)
     return kwargs
+
+
+def _check_speculative_tokens(hf: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Refuses a ``speculators_config`` proposal of more tokens than the draft's γ: a file that
+    proposes ``block_size`` tokens without stating ``sample_from_anchor`` is an anchor-layout
+    draft that the DFlash default would read one slot short and shifted."""
+    block = hf.get("speculators_config")
+    methods = block.get("proposal_methods") if isinstance(block, dict) else None
+    rows = kwargs.get("block_size")
+    if not isinstance(methods, list) or not is_integer(rows):
+        return
+    gamma = rows - (0 if kwargs["sample_from_anchor"] is True else 1)
+    for j, method in enumerate(methods):
+        tokens = method.get("speculative_tokens") if isinstance(method, dict) else None
+        if is_integer(tokens) and tokens > gamma:
+            _fail(
+                f"speculators_config.proposal_methods[{j}].speculative_tokens",
+                tokens,
+                f"exceeds the draft's {gamma} draft tokens per round (block_size={rows}, "
+                f"sample_from_anchor={kwargs['sample_from_anchor']}); state sample_from_anchor in the file",
+            )

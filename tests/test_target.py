@@ -493,7 +493,9 @@ def test_load_target_refuses_config_fields_it_does_not_implement(tmp_path, field
     hf = cfg.to_hf_config()
     with open(tmp_path / "config.json", "w") as f:
         json.dump(hf | {field: value}, f)
-    with pytest.raises(ValueError, match=f"{field}={value!r} is not supported.*must be"):
+    with pytest.raises(
+        ValueError, match=f"{field}={value!r} is invalid: not supported by the reference Qwen3 target, must be"
+    ):
         load_target(tmp_path)
     with open(tmp_path / "config.json", "w") as f:  # absent is fine
         json.dump({k: v for k, v in hf.items() if k != field}, f)
