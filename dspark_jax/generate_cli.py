@@ -18,6 +18,7 @@ import jax
 
 from dspark_jax.checkpoint import load_draft
 from dspark_jax.cli import SEED_MAX, check_checkpoint, check_prompts, loading, number_flag
+from dspark_jax.config import is_integer, read_json_file
 from dspark_jax.decode_requests import MAX_NEW_TOKENS, MAX_TEMPERATURE, VERIFY_RULES
 from dspark_jax.generation import (
     GenerationResult,
@@ -61,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run both models in this dtype (default: the target in its config's dtype, the draft in float32)",
     )
-    parser.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
+    parser.add_argument(
+        "--no-stop",
+        action="store_true",
+        help="do not stop at the end-of-sequence tokens (the --target's eos_token_id and the tokenizer's end of text)",
+    )
     parser.add_argument("--compare", action="store_true", help="also time plain decoding with the target alone")
     parser.add_argument(
         "--device-loop", action="store_true", help="run all rounds in one compiled while_loop (no host sync per round)"
@@ -72,6 +77,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="verify by confidence with this rule, from a table measured first (the draft needs a confidence head)",
     )
+
+
+def checkpoint_stop_ids(folder: str, vocab_size: int) -> list[int]:
+    """The end-of-sequence ids a Hugging Face checkpoint folder names, where transformers'
+    ``generate`` reads them: ``eos_token_id`` (an id or a list) of ``generation_config.json``,
+    else of ``config.json`` (Qwen3 chat models end a turn with ``<|im_end|>``, listed there
+    beside ``<|endoftext|>``); ``[]`` where neither file names one.
+
+    Raises:
+      ValueError: the field holds anything but ids in ``[0, vocab_size)``, naming the file.
+    """
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        data = read_json_file(path) if os.path.isfile(path) else None
+        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(is_integer(i) and 0 <= i < vocab_size for i in ids):
+            raise ValueError(
+                f"{path!r}: eos_token_id={value!r} is invalid: must be a token id or a list of ids in "
+                f"[0, {vocab_size}) (the target's vocabulary)"
+            )
+        return [int(i) for i in ids]
+    return []
 
 
 def _eos_id(tokenizer) -> int | None:
@@ -132,8 +162,11 @@ def run(args: argparse.Namespace) -> int:
         gamma=draft.cfg.gamma,
         limits=limits,
     )
-    eos = None if args.no_stop else _eos_id(tokenizer)
-    stops = None if eos is None else [eos]
+    stops = None
+    if not args.no_stop:  # the target's end-of-sequence ids and the tokenizer's end of text
+        eos = _eos_id(tokenizer)
+        found = checkpoint_stop_ids(args.target, target.config.vocab_size)
+        stops = sorted({*found, *([] if eos is None else [eos])}) or None
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

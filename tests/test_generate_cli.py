@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from flax import nnx
 
 from dspark_jax.checkpoint import save_draft
@@ -255,3 +256,65 @@ def test_generate_compares_every_new_token_per_second_and_measures_at_the_longes
     specs = iter([result([[1, 2, 3], [4, 5]], 1.0)])
     assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "4"]) == 0
     assert stops == [None, None, [tokenizer_eos]]  # --no-stop: no stop token; else the tokenizer's end of text
+
+
+def test_checkpoint_stop_ids_read_eos_token_id_where_transformers_does(tmp_path):
+    """``generation_config.json``'s ``eos_token_id`` (an id or a list, as Qwen3 chat models list
+    ``<|im_end|>`` and ``<|endoftext|>``), else ``config.json``'s, else none; anything but ids
+    below the vocabulary is refused naming the file and the field."""
+    import json
+
+    from dspark_jax.generate_cli import checkpoint_stop_ids
+
+    def write(name, data):
+        with open(tmp_path / name, "w") as f:
+            json.dump(data, f)
+
+    assert checkpoint_stop_ids(str(tmp_path), 100) == []
+    write("config.json", {"hidden_size": 8})
+    assert checkpoint_stop_ids(str(tmp_path), 100) == []
+    write("config.json", {"eos_token_id": 7})
+    assert checkpoint_stop_ids(str(tmp_path), 100) == [7]
+    write("generation_config.json", {"eos_token_id": [99, 3]})  # the generation config wins
+    assert checkpoint_stop_ids(str(tmp_path), 100) == [99, 3]
+    write("generation_config.json", {"do_sample": True})  # names none: config.json's
+    assert checkpoint_stop_ids(str(tmp_path), 100) == [7]
+    for bad in (100, -1, [3, 100], [], True, "7", [2.0]):
+        write("generation_config.json", {"eos_token_id": bad})
+        want = (
+            f"generation_config.json': eos_token_id={bad!r} is invalid: must be a token id or a list of ids in [0, 100)"
+        )
+        with pytest.raises(ValueError, match=re.escape(want)):
+            checkpoint_stop_ids(str(tmp_path), 100)
+
+
+def test_generate_stops_at_the_targets_eos_ids_and_the_tokenizers_end_of_text(tmp_path, monkeypatch):
+    """Without ``--no-stop`` the command stops at the union of the ``--target`` folder's
+    ``eos_token_id`` and the tokenizer's end of text (sorted, each once); a bad id is refused
+    before generating, naming the file (exit 2)."""
+    import json
+    import types
+
+    from dspark_jax import generate_cli
+    from dspark_jax.tokenizer import load_tokenizer
+
+    argv = _save_pair(tmp_path)
+    eos = load_tokenizer(str(tmp_path / "target")).eos_id
+    stops = []
+
+    def speculative(*args, **kwargs):
+        stops.append(kwargs["stop_tokens"])
+        return types.SimpleNamespace(
+            tokens=[[1]], seconds=1.0, tau=[1.0], tau_overall=1.0, acceptance_by_position=[0.0, 0.0],
+            rounds=1, verify_length_counts=[1, 0, 0], verified_tokens=1,
+        )  # fmt: skip
+
+    monkeypatch.setattr(generate_cli, "speculative_generate", speculative)
+    with open(tmp_path / "target" / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [12, eos, 5]}, f)
+    assert main([*argv, "--prompt", "the cat", "--max-new-tokens", "2"]) == 0
+    assert stops == [sorted({12, eos, 5})]
+    with open(tmp_path / "target" / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": 100_000}, f)
+    assert main([*argv, "--prompt", "the cat", "--max-new-tokens", "2"]) == 2
+    assert len(stops) == 1
