@@ -41,14 +41,19 @@ HW_SLOWDOWN = 0x8 | 0x80
 _NVML_CLOCK_SM = 1
 
 
-def nvml_device_index() -> int | str:
-    """The NVML device of the process's first visible GPU: the first entry of
-    ``CUDA_VISIBLE_DEVICES`` (an index, or a ``GPU-…`` UUID), else index 0 (NVML numbers every
-    GPU on the host and ignores that variable)."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+def nvml_device_index() -> int | str | None:
+    """The NVML device of the process's first visible GPU: index 0 where
+    ``CUDA_VISIBLE_DEVICES`` is unset (NVML numbers every GPU on the host and ignores that
+    variable), else its first entry (an index, or a ``GPU-…`` / ``MIG-…`` UUID), and None
+    where the variable names no GPU (``""``, ``-1``, SLURM's ``NoDevFiles``: CUDA then sees
+    none, and another GPU's board would be read)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return 0
+    first = visible.split(",")[0].strip()
     if first.isdigit():
         return int(first)
-    return first if first.startswith("GPU-") else 0
+    return first if first.startswith(("GPU-", "MIG-")) else None
 
 
 def nvml_reader(device: int | str | None = None) -> Reader | None:
@@ -59,8 +64,9 @@ def nvml_reader(device: int | str | None = None) -> Reader | None:
       device: NVML index or UUID (None: :func:`nvml_device_index`).
 
     Returns:
-      ``(read, power_limit_w)``, or None where NVML cannot be loaded or the device not found
-      (no NVIDIA driver). ``power_limit_w`` is None where the driver does not report it.
+      ``(read, power_limit_w)``, or None where NVML cannot be loaded, the device is not
+      found (no NVIDIA driver) or the process sees no GPU. ``power_limit_w`` is None where
+      the driver does not report it.
     """
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
@@ -69,6 +75,8 @@ def nvml_reader(device: int | str | None = None) -> Reader | None:
     if nvml.nvmlInit_v2() != 0:
         return None
     device = nvml_device_index() if device is None else device
+    if device is None:  # the process sees no GPU
+        return None
     handle = ctypes.c_void_p()
     if isinstance(device, str):
         found = nvml.nvmlDeviceGetHandleByUUID(device.encode(), ctypes.byref(handle))

@@ -92,7 +92,7 @@ def test_nvml_reader_is_none_without_the_driver_library(monkeypatch):
 
 @pytest.mark.parametrize(
     ("visible", "expected"),
-    [(None, 0), ("", 0), ("3,1", 3), (" 2", 2), ("GPU-8f2e", "GPU-8f2e"), ("MIG-1a2b", 0)],
+    [(None, 0), ("", None), ("3,1", 3), (" 2", 2), ("GPU-8f2e", "GPU-8f2e"), ("MIG-1a2b", "MIG-1a2b")],
 )
 def test_nvml_device_follows_cuda_visible_devices(monkeypatch, visible, expected):
     if visible is None:
@@ -182,9 +182,22 @@ def test_thermal_and_hardware_slowdown_shares_count_each_of_their_bits():
     assert got["power_capped_share"] == 0.2
 
 
-@pytest.mark.parametrize("visible", ["NoDevFiles", "-1", "none"])
-def test_a_visible_devices_word_that_is_no_index_or_uuid_means_index_0(monkeypatch, visible):
-    """SLURM sets ``CUDA_VISIBLE_DEVICES=NoDevFiles`` on a job without GPUs: neither an index nor
-    a UUID, so the first device (index 0) is asked for, not ``int()`` of the word."""
+@pytest.mark.parametrize("visible", ["NoDevFiles", "-1", "none", ""])
+def test_a_visible_devices_word_that_is_no_index_or_uuid_means_no_gpu(monkeypatch, visible):
+    """SLURM sets ``CUDA_VISIBLE_DEVICES=NoDevFiles`` on a job without GPUs (``-1`` and ``""``
+    hide every GPU too): neither an index nor a UUID, so the process sees no GPU and no board is
+    read (not GPU 0's, which another process may be using), nor ``int()`` of the word."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert gpu_power.nvml_device_index() == 0
+    assert gpu_power.nvml_device_index() is None
+    calls = []
+
+    class FakeNvml:
+        def nvmlInit_v2(self):
+            return 0
+
+        def __getattr__(self, name):  # any device query would be a bug here
+            calls.append(name)
+            return lambda *args: 0
+
+    monkeypatch.setattr(gpu_power.ctypes, "CDLL", lambda name: FakeNvml())
+    assert gpu_power.nvml_reader() is None and calls == []
