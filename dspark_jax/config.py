@@ -169,10 +169,11 @@ _TRANSFORMER_FIELDS = {
 
 
 # A config.json that leaves out a head's width or the KV head count is read one way by Hugging
-# Face's Qwen3Config and Qwen2Config (their class defaults: head_dim 128, 32 KV heads) and
-# another by LlamaConfig and the Qwen2 attention (hidden_size // num_attention_heads, one KV
-# head per query head). Such a field is taken only where both readings agree (a released
-# Qwen3 size of 32 heads of 128, say); where they differ the file must state it.
+# Face's Qwen3Config (its class defaults: head_dim 128, 32 KV heads; transformers' to_diff_dict
+# drops fields equal to them, as speculators' exports do) and another by LlamaConfig
+# (hidden_size // num_attention_heads, one KV head per query head). A file naming its
+# model_type is read as that class reads it; any other is read only where both agree (a
+# released Qwen3 size of 32 heads of 128, say), and must state the field where they differ.
 QWEN3_DEFAULT_HEAD_DIM = 128
 QWEN_DEFAULT_KV_HEADS = 32
 
@@ -189,11 +190,14 @@ def _unstated_head_field(name: str, hf: dict[str, Any], where: str) -> int:
     else:
         qwen3, llama = QWEN_DEFAULT_KV_HEADS, heads
         llama_rule = f"num_attention_heads = {llama}"
+    model_type = hf.get("model_type")
+    if model_type in ("qwen3", "llama"):
+        return qwen3 if model_type == "qwen3" else llama
     if qwen3 != llama:
         raise ValueError(
             f"{where} does not state {name!r}, and the conventions for a missing {name} differ: "
             f"Hugging Face's Qwen3Config reads {qwen3}, LlamaConfig {llama_rule}; "
-            f"state {name} in the file"
+            f"state {name} in the file (or its model_type, 'qwen3' or 'llama')"
         )
     return llama
 

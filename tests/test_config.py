@@ -401,6 +401,27 @@ def test_a_file_leaving_out_a_field_the_conventions_read_differently_is_refused(
     assert getattr(stating_it, field) == 2
 
 
+@pytest.mark.parametrize(
+    "model_type, want",
+    [("qwen3", (128, 32)), ("llama", (80, 32))],
+)
+def test_a_file_naming_its_model_type_reads_a_missing_head_field_as_that_class_does(model_type, want):
+    """transformers' ``to_diff_dict`` (speculators' exports) drops fields equal to the class
+    defaults: a Qwen3-4B-shaped layer config (hidden 2560, 32 heads) without ``head_dim`` is
+    ``Qwen3Config``'s 128, a Llama one ``hidden_size // num_attention_heads`` = 80; a missing
+    KV count is Qwen3Config's 32 and LlamaConfig's one per query head (32 here), in all three
+    forms (the two draft forms for Llama: the target is Qwen3 only). Without ``model_type`` the
+    two readings of ``head_dim`` differ, so it is refused."""
+    hf = {**SMALL_QWEN3, "hidden_size": 2560, "num_attention_heads": 32, "model_type": model_type}
+    forms = read_three_forms(hf)
+    for read in forms if model_type == "qwen3" else forms[1:]:
+        cfg = read()
+        assert (cfg.head_dim, cfg.num_key_value_heads) == want
+    for read in read_three_forms(without(hf, "model_type")):
+        with pytest.raises(ValueError, match=re.escape("does not state 'head_dim'")):
+            read()
+
+
 def test_a_null_kv_head_count_is_one_kv_head_per_query_head():
     """``"num_key_value_heads": null`` means one KV head per query head to Qwen3Config and
     LlamaConfig alike (unlike a missing field), so it reads as the head count."""
