@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -682,9 +683,13 @@ def check_draft_memory(
     parameters and one step's float32 logits ``[batch_size, anchors_per_seq·rows, V]``.
     ``sizes`` names the settings in the message (default: the fields that set them)."""
     rows = tcfg.batch_size * tcfg.anchors_per_seq * draft_cfg.num_query_rows
+    # The borrowed tables only as shapes: the count reads none of their values (and the draft's
+    # finiteness check is left to the draft that is trained).
+    tables = {name: getattr(target, name) for name in ("embed_tokens", "lm_head")}
+    shapes = SimpleNamespace(**{name: jax.ShapeDtypeStruct(t.shape, t.dtype) for name, t in tables.items()})
     return check_training_memory(
         draft_sizes(draft_cfg, tcfg) if sizes is None else sizes,
-        lambda n: _new_draft(dataclasses.replace(draft_cfg, num_hidden_layers=n), target, 0),
+        lambda n: _new_draft(dataclasses.replace(draft_cfg, num_hidden_layers=n), shapes, 0),
         draft_cfg.num_hidden_layers,
         activations=("float32 logits", 4 * rows * draft_cfg.vocab_size),
     )

@@ -36,6 +36,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draft_testing import TRAINING_TARGET
 from flax import nnx
 
 from dspark_jax.checkpoint import load_draft, save_draft
@@ -276,27 +277,12 @@ def test_gap_target_config_refuses_what_load_target_refuses(field, value):
         TargetConfig.from_hf_config(hf)
 
 
-def _tiny_target_folder(tmp_path, *, shard: bool):
-    cfg = TargetConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
-        rope_theta=1_000_000.0,
-    )
-    target = Qwen3Target(cfg, rngs=nnx.Rngs(0))
-    save_target(target, tmp_path, max_shard_bytes=4096 if shard else None)
-    return target
-
-
 @pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
 def test_load_target_reads_a_transformers5_checkpoint_folder(tmp_path, shard):
     """A transformers 5 save: ``dtype`` (no ``torch_dtype``) sets the parameter dtype,
     ``rope_parameters`` the RoPE base; single-file and sharded (index) layouts."""
-    target = _tiny_target_folder(tmp_path, shard=shard)
+    target = Qwen3Target(TRAINING_TARGET, rngs=nnx.Rngs(0))  # 2 layers, a tied embedding
+    save_target(target, tmp_path, max_shard_bytes=4096 if shard else None)
     assert (tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")).is_file()
     hf = json.loads((tmp_path / "config.json").read_text())
     rope = hf.pop("rope_theta")
